@@ -1,0 +1,114 @@
+"""Import guard for the CUDA kernels, and the few device helpers that differ between a real
+GPU and Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set before numba.cuda is imported).
+
+NumPy 2.5 removed `np.row_stack`, which numba-cuda <= 0.30 registers at import; with that
+pair no kernel compiles. We refuse it with a clear message (the `cuda` extra pins
+numpy<2.5) instead of patching NumPy behind the user's back.
+
+Every kernel module does `from cuda_kernels.env import cuda, SIMULATOR, ...`; importing it
+raises `CudaUnavailableError` when numba-cuda is missing or unusable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CudaUnavailableError(RuntimeError):
+    """numba-cuda (or a usable NumPy for it) is not installed. The backend turns this into
+    tf_async.errors.BadInputError; this package never imports tf_async."""
+
+
+def _numpy_version() -> tuple[int, int]:
+    major, minor = np.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _check_numpy() -> None:
+    if _numpy_version() >= (2, 5) and not hasattr(np, "row_stack"):
+        raise CudaUnavailableError(
+            f"NumPy {np.__version__} cannot be used with numba-cuda: NumPy 2.5 removed "
+            "np.row_stack, which numba-cuda registers at import, so no CUDA kernel compiles. "
+            "Install numpy<2.5 (pip install 'tf-async[cuda]' pins it)."
+        )
+
+
+def _import_cuda():  # noqa: ANN202 - returns the numba.cuda module
+    _check_numpy()
+    try:
+        from numba import cuda as numba_cuda
+    except ImportError as exc:
+        raise CudaUnavailableError(
+            f"numba-cuda is not installed ({exc}); install it with pip install 'tf-async[cuda]'"
+        ) from exc
+    return numba_cuda
+
+
+cuda = _import_cuda()
+def _detect_simulator() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+SIMULATOR: bool = _detect_simulator()
+WARP_SIZE = 32
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def float_as_int(x):  # noqa: ANN001, ANN201
+        return np.int32(np.array(x, dtype=np.float32).view(np.int32))
+
+    @cuda.jit(device=True)
+    def int_as_float(x):  # noqa: ANN001, ANN201
+        return np.float32(np.array(x, dtype=np.int32).view(np.float32))
+
+    @cuda.jit(device=True)
+    def _shfl_xor(v, offset):  # noqa: ANN001, ANN201
+        # The simulator has no shuffles: exchange through one shared buffer. Every
+        # thread of the block must call this (our kernels only reduce in uniform flow).
+        buf = cuda.shared.array(1024, np.float32)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        buf[tid] = v
+        cuda.syncthreads()
+        other = buf[tid ^ offset]
+        cuda.syncthreads()
+        return np.float32(other)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def float_as_int(x):  # noqa: ANN001, ANN201
+        return libdevice.float_as_int(x)
+
+    @cuda.jit(device=True, inline=True)
+    def int_as_float(x):  # noqa: ANN001, ANN201
+        return libdevice.int_as_float(x)
+
+    @cuda.jit(device=True, inline=True)
+    def _shfl_xor(v, offset):  # noqa: ANN001, ANN201
+        return cuda.shfl_xor_sync(FULL_MASK, v, offset)
+
+
+@cuda.jit(device=True)
+def warp_sum(v):  # noqa: ANN001, ANN201
+    """Butterfly sum over the 32 lanes, offsets 16, 8, 4, 2, 1: every lane gets the same
+    bits (a + b == b + a), and the order is fixed, so the result is batch-invariant."""
+    offset = 16
+    while offset > 0:
+        v = v + _shfl_xor(v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def warp_max(v):  # noqa: ANN001, ANN201
+    """Butterfly max over the 32 lanes (exact, any order)."""
+    offset = 16
+    while offset > 0:
+        v = max(v, _shfl_xor(v, offset))
+        offset //= 2
+    return v

@@ -1,0 +1,324 @@
+"""Numba CUDA twins of tf_async/backend/cpu/gdn.py (same launcher names and signatures, plus
+an optional `stream`). Arguments are device arrays (CuPy or Numba) or, in the simulator and
+in tests, host NumPy arrays. Imports numba/numpy/math only.
+
+Layout of the work:
+- conv: one thread per channel; it walks the rows in order and carries its channel of the
+  conv state, so rows of one stream see exactly the history a one-row call would.
+- delta rule: one thread block per (stream, v-head); threads over value columns; rows of the
+  stream are processed sequentially inside the block with the same per-column operation
+  order as the CPU twin. For batches, the rows of one stream must be contiguous in the
+  round (the engine lays rows out stream by stream): the block of row r is active only
+  when r starts its stream's run of rows (row 0, or row_seq[r-1] != row_seq[r]).
+- the fp32 state stays in global memory (coalesced over columns, L1/L2 resident for a
+  block); q and k of the current row go through shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
+MAX_THREADS = 128
+_ELEMENTWISE_THREADS = 128
+
+
+@cuda.jit(device=True, inline=True)
+def _silu(x):
+    return x / (float32(1.0) + math.exp(-x))
+
+
+@cuda.jit(device=True, inline=True)
+def _sigmoid(x):
+    return float32(1.0) / (float32(1.0) + math.exp(-x))
+
+
+def _blocks(count: int, threads: int) -> int:
+    return max(1, (count + threads - 1) // threads)
+
+
+# ---------------------------------------------------------------------------------------
+# causal conv
+
+
+@cuda.jit(device=True, inline=True)
+def _conv_channel_step(state, c, weight, x_val):
+    num_hist = state.shape[0]
+    acc = float32(0.0)
+    for j in range(num_hist):
+        acc += weight[c, j] * state[j, c]
+    acc += weight[c, num_hist] * x_val
+    for j in range(num_hist - 1):
+        state[j, c] = state[j + 1, c]
+    if num_hist > 0:
+        state[num_hist - 1, c] = x_val
+    return _silu(acc)
+
+
+@cuda.jit
+def _conv_rows_kernel(x, conv_state, weight, out):
+    c = cuda.grid(1)
+    if c >= x.shape[1]:
+        return
+    for t in range(x.shape[0]):
+        out[t, c] = _conv_channel_step(conv_state, c, weight, x[t, c])
+
+
+@cuda.jit
+def _conv_batch_kernel(x, conv_states, weight, row_seq, out):
+    c = cuda.grid(1)
+    if c >= x.shape[1]:
+        return
+    for r in range(x.shape[0]):
+        out[r, c] = _conv_channel_step(conv_states[row_seq[r]], c, weight, x[r, c])
+
+
+def causal_conv1d_step(x, conv_state, weight, out, stream=0) -> None:
+    """One token of one stream. x, out: [C]; conv_state: [K-1, C]; weight: [C, K]."""
+    num_channels = x.shape[0]
+    _conv_rows_kernel[_blocks(num_channels, _ELEMENTWISE_THREADS), _ELEMENTWISE_THREADS, stream](
+        x.reshape(1, num_channels), conv_state, weight, out.reshape(1, num_channels))
+
+
+def causal_conv1d_rows(x, conv_state, weight, out, stream=0) -> None:
+    """Rows of one stream in time order. x, out: [T, C]; conv_state: [K-1, C] carried."""
+    threads = _ELEMENTWISE_THREADS
+    _conv_rows_kernel[_blocks(x.shape[1], threads), threads, stream](x, conv_state, weight, out)
+
+
+def causal_conv1d_batch(x, conv_states, weight, row_seq, out, stream=0) -> None:
+    """Rows of many streams. conv_states: [slots, K-1, C]; row_seq: [rows] int32."""
+    threads = _ELEMENTWISE_THREADS
+    _conv_batch_kernel[_blocks(x.shape[1], threads), threads, stream](
+        x, conv_states, weight, row_seq, out)
+
+
+# ---------------------------------------------------------------------------------------
+# gates and q/k normalisation
+
+
+@cuda.jit(device=True, inline=True)
+def _softplus(x):
+    if x > float32(20.0):
+        return x
+    return math.log1p(math.exp(x))
+
+
+@cuda.jit
+def _gates_kernel(a, b, a_log, dt_bias, g_out, beta_out):
+    idx = cuda.grid(1)
+    num_heads = a.shape[1]
+    if idx >= a.shape[0] * num_heads:
+        return
+    r = idx // num_heads
+    h = idx % num_heads
+    decay_rate = math.exp(float32(a_log[h]))
+    g_out[r, h] = -decay_rate * _softplus(a[r, h] + float32(dt_bias[h]))
+    beta_out[r, h] = _sigmoid(b[r, h])
+
+
+def gdn_gates(a, b, a_log, dt_bias, g_out, beta_out, stream=0) -> None:
+    """g_out = -exp(A_log) * softplus(a + dt_bias); beta_out = sigmoid(b). [rows, Hv]."""
+    count = a.shape[0] * a.shape[1]
+    threads = _ELEMENTWISE_THREADS
+    _gates_kernel[_blocks(count, threads), threads, stream](a, b, a_log, dt_bias, g_out, beta_out)
+
+
+@cuda.jit(device=True, inline=True)
+def _l2_scale_head(src, r, col0, dim, eps, scale, dst, head):
+    sum_sq = float32(0.0)
+    for i in range(dim):
+        x = src[r, col0 + i]
+        sum_sq += x * x
+    inv = float32(1.0) / math.sqrt(sum_sq + eps)
+    for i in range(dim):
+        dst[r, head, i] = src[r, col0 + i] * inv * scale
+
+
+@cuda.jit
+def _qk_l2norm_kernel(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out):
+    idx = cuda.grid(1)
+    if idx >= mixed.shape[0] * num_k_heads:
+        return
+    r = idx // num_k_heads
+    hk = idx % num_k_heads
+    _l2_scale_head(mixed, r, hk * head_k_dim, head_k_dim, eps, q_scale, q_out, hk)
+    _l2_scale_head(mixed, r, (num_k_heads + hk) * head_k_dim, head_k_dim, eps, float32(1.0),
+                   k_out, hk)
+
+
+def gdn_qk_l2norm(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out, stream=0) -> None:
+    """q_out, k_out: [rows, Hk, dk] L2-normalised q (times q_scale) and k of mixed [rows, C]."""
+    count = mixed.shape[0] * num_k_heads
+    threads = _ELEMENTWISE_THREADS
+    _qk_l2norm_kernel[_blocks(count, threads), threads, stream](
+        mixed, num_k_heads, head_k_dim, np.float32(eps), np.float32(q_scale), q_out, k_out)
+
+
+# ---------------------------------------------------------------------------------------
+# gated delta rule
+
+
+@cuda.jit(device=True, inline=True)
+def _delta_column(s, j, q_sh, k_sh, head_k_dim, v_j, alpha, beta):
+    """Column j of one token's update; the same operation order as the CPU `_delta_token`."""
+    acc = float32(0.0)
+    for i in range(head_k_dim):
+        decayed = s[i, j] * alpha
+        s[i, j] = decayed
+        acc += decayed * k_sh[i]
+    beta_err = beta * (v_j - acc)
+    o_j = float32(0.0)
+    for i in range(head_k_dim):
+        written = s[i, j] + k_sh[i] * beta_err
+        s[i, j] = written
+        o_j += written * q_sh[i]
+    return o_j
+
+
+@cuda.jit(device=True, inline=True)
+def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
+    tid = cuda.threadIdx.x
+    num_threads = cuda.blockDim.x
+    head_k_dim = q.shape[2]
+    cuda.syncthreads()  # the previous row is done reading q_sh / k_sh
+    for i in range(tid, head_k_dim, num_threads):
+        q_sh[i] = q[r, hk, i]
+        k_sh[i] = k[r, hk, i]
+    cuda.syncthreads()
+    alpha = math.exp(g[r, h])
+    beta_rh = beta[r, h]
+    for j in range(tid, v.shape[2], num_threads):
+        out[r, h, j] = _delta_column(s, j, q_sh, k_sh, head_k_dim, v[r, h, j], alpha, beta_rh)
+
+
+@cuda.jit
+def _delta_stream_kernel(q, k, v, g, beta, state, out):
+    h = cuda.blockIdx.y
+    hk = h // (state.shape[0] // q.shape[1])
+    q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    for r in range(q.shape[0]):
+        _delta_row(q, k, v, g, beta, state[h], out, r, h, hk, q_sh, k_sh)
+
+
+@cuda.jit
+def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, out):
+    first_row = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    slot = row_seq[first_row]
+    if first_row > 0 and row_seq[first_row - 1] == slot:
+        return  # not the first row of its stream: that stream's block does this row
+    hk = h // (states.shape[1] // q.shape[1])
+    q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    r = first_row
+    while r < q.shape[0] and row_seq[r] == slot:
+        _delta_row(q, k, v, g, beta, states[slot, h], out, r, h, hk, q_sh, k_sh)
+        r += 1
+
+
+def _check_head_dims(q, state_shape) -> int:
+    num_v_heads, head_k_dim, head_v_dim = state_shape[-3:]
+    if head_k_dim > MAX_HEAD_K_DIM or q.shape[2] != head_k_dim:
+        raise ValueError(f"gated delta rule: head_k_dim {q.shape[2]} vs state {head_k_dim} "
+                         f"(max {MAX_HEAD_K_DIM})")
+    if num_v_heads % q.shape[1]:
+        raise ValueError(f"gated delta rule: Hv={num_v_heads} not a multiple of Hk={q.shape[1]}")
+    return min(head_v_dim, MAX_THREADS)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, out, stream=0) -> None:
+    """Rows of one stream. q, k: [T, Hk, dk]; v, out: [T, Hv, dv]; g, beta: [T, Hv];
+    state: [Hv, dk, dv] float32. One block per v-head, rows in order inside the block."""
+    threads = _check_head_dims(q, state.shape)
+    if q.shape[0] == 0:
+        return
+    _delta_stream_kernel[(1, state.shape[0]), threads, stream](q, k, v, g, beta, state, out)
+
+
+def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out, stream=0) -> None:
+    """The multi-row ("chunked") prompt form; on the GPU it is the same kernel as
+    `gated_delta_rule`: threads already split the value columns (see the CPU docstring)."""
+    gated_delta_rule(q, k, v, g, beta, state, out, stream)
+
+
+def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out, stream=0) -> None:
+    """Rows of many streams; states: [slots, Hv, dk, dv]; row_seq: [rows] int32. The rows of
+    one stream must be contiguous and in time order."""
+    threads = _check_head_dims(q, states.shape)
+    if q.shape[0] == 0:
+        return
+    _delta_batch_kernel[(q.shape[0], states.shape[1]), threads, stream](
+        q, k, v, g, beta, states, row_seq, out)
+
+
+# ---------------------------------------------------------------------------------------
+# output norm and gates
+
+
+@cuda.jit
+def _gated_rms_norm_kernel(x, z, weight, eps, out):
+    idx = cuda.grid(1)
+    num_heads = x.shape[1]
+    if idx >= x.shape[0] * num_heads:
+        return
+    r = idx // num_heads
+    h = idx % num_heads
+    dim = x.shape[2]
+    sum_sq = float32(0.0)
+    for j in range(dim):
+        sum_sq += x[r, h, j] * x[r, h, j]
+    inv = float32(1.0) / math.sqrt(sum_sq / float32(dim) + eps)
+    for j in range(dim):
+        out[r, h, j] = weight[j] * (x[r, h, j] * inv) * _silu(z[r, h, j])
+
+
+def gated_rms_norm(x, z, weight, eps, out, stream=0) -> None:
+    """N3: out = weight * (x * rsqrt(mean(x^2) + eps)) * silu(z); [rows, Hv, dv]."""
+    count = x.shape[0] * x.shape[1]
+    threads = _ELEMENTWISE_THREADS
+    _gated_rms_norm_kernel[_blocks(count, threads), threads, stream](
+        x, z, weight, np.float32(eps), out)
+
+
+@cuda.jit
+def _split_query_gate_kernel(qg, num_heads, head_dim, q_out, gate_out):
+    idx = cuda.grid(1)
+    width = num_heads * head_dim
+    if idx >= qg.shape[0] * width:
+        return
+    r = idx // width
+    h = (idx % width) // head_dim
+    d = idx % head_dim
+    q_out[r, h, d] = qg[r, h * 2 * head_dim + d]
+    gate_out[r, h * head_dim + d] = qg[r, h * 2 * head_dim + head_dim + d]
+
+
+def split_query_gate(qg, num_heads, head_dim, q_out, gate_out, stream=0) -> None:
+    """qg: [rows, nh*2*hd] (per head [query | gate]) -> q_out [rows, nh, hd], gate_out [rows, nh*hd]."""
+    count = qg.shape[0] * num_heads * head_dim
+    threads = _ELEMENTWISE_THREADS
+    _split_query_gate_kernel[_blocks(count, threads), threads, stream](
+        qg, num_heads, head_dim, q_out, gate_out)
+
+
+@cuda.jit
+def _sigmoid_gate_mul_kernel(attn, gate, out):
+    idx = cuda.grid(1)
+    width = attn.shape[1]
+    if idx >= attn.shape[0] * width:
+        return
+    r = idx // width
+    c = idx % width
+    out[r, c] = attn[r, c] * _sigmoid(gate[r, c])
+
+
+def sigmoid_gate_mul(attn, gate, out, stream=0) -> None:
+    """out = attn * sigmoid(gate), [rows, nh*hd]."""
+    count = attn.shape[0] * attn.shape[1]
+    threads = _ELEMENTWISE_THREADS
+    _sigmoid_gate_mul_kernel[_blocks(count, threads), threads, stream](attn, gate, out)

@@ -1,0 +1,259 @@
+"""The async Python API: `async with Engine(...) as engine:` then stream / complete / chat."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .api_types import Completion, Delta, SamplingParams, Usage
+from .models.checkpoint import Checkpoint
+from .errors import BadInputError, QueueFullError, RequestFailedError
+from .engine.build import EngineParts, build_engine
+from .engine.sched import make_sequence
+from .engine.sequence import TokenEvent
+from .engine.stops import StopStrings
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise BadInputError(message, param=param)
+
+
+def make_params(*, max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                seed: int | None = None, stop: str | list[str] | tuple[str, ...] | None = None,
+                stop_token_ids: list[int] | None = None, logprobs: int | None = None,
+                ignore_eos: bool = False) -> SamplingParams:
+    """Validate sampling arguments (BadInputError names the parameter)."""
+    max_tokens = 256 if max_tokens is None else max_tokens
+    _check(isinstance(max_tokens, int) and max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
+    _check(math.isfinite(temperature) and 0.0 <= temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
+    _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
+    _check(isinstance(top_k, int) and top_k >= 0, "top_k must be an integer >= 0", "top_k")
+    _check(0.0 <= min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+    _check(0.0 < repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty")
+    _check(-2.0 <= presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty")
+    _check(-2.0 <= frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+    _check(seed is None or isinstance(seed, int), "seed must be an integer", "seed")
+    _check(logprobs is None or (isinstance(logprobs, int) and 0 <= logprobs <= 20),
+           "logprobs must be an integer in [0, 20]", "logprobs")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    _check(all(isinstance(s, str) for s in stops) and len(stops) <= 16, "stop must be up to 16 strings", "stop")
+    return SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), float(min_p),
+                          float(repetition_penalty), float(presence_penalty), float(frequency_penalty),
+                          seed, stops, tuple(int(t) for t in stop_token_ids or ()), bool(ignore_eos),
+                          logprobs)
+
+
+class RequestStream:
+    """Async iterator of Deltas for one request. Closing it (or breaking out of the loop, or
+    cancelling the task awaiting it) cancels the request in the engine."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+        self._engine = engine
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.request_id = -1
+        self._queue: asyncio.Queue[TokenEvent] | None = None
+        self._done = False
+        self._detok = engine.tokenizer.stream()
+        self._stops = StopStrings(params.stop)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_ids))
+        self.num_generated = 0
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        if self._queue is None:
+            self.request_id, self._queue = self._engine._submit(self.prompt_ids, self.params)
+        try:
+            event = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._delta(event)
+
+    def _delta(self, event: TokenEvent) -> Delta:
+        if event.error is not None:
+            self._finish()
+            raise RequestFailedError(event.error)
+        ids = list(event.token_ids)
+        self.num_generated += len(ids)
+        text_ids = ids[:-1] if event.finish_reason == "stop" and ids and ids[-1] in self._stop_ids else ids
+        final = event.finish_reason is not None
+        text = self._detok.push(text_ids) + (self._detok.flush() if final else "")
+        text, hit = self._stops.feed(text, final=final)
+        reason = "stop" if hit else event.finish_reason
+        if reason is None:
+            return Delta(text, ids, None, list(event.logprobs) if event.logprobs else None)
+        self._finish()
+        usage = Usage(len(self.prompt_ids), self.num_generated, event.drafted_tokens, event.accepted_tokens)
+        return Delta(text, ids, reason, list(event.logprobs) if event.logprobs else None, usage)
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._forget(self.request_id, cancel=False)
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            if self.request_id >= 0:
+                self._engine._forget(self.request_id, cancel=True)
+
+    def __del__(self) -> None:
+        if not self._done and self.request_id >= 0:
+            self._done = True
+            self._engine._forget(self.request_id, cancel=True)
+
+
+class Engine:
+    """tf_async's async Python API. `model=None` serves the default model."""
+
+    def __init__(self, model: str | Checkpoint | None = None, *, device: str = "auto", parallel: int = 4,
+                 ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
+                 kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
+                 draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256):
+        if kv_pages is None and os.environ.get("TF_KV_PAGES"):
+            kv_pages = int(os.environ["TF_KV_PAGES"])
+        self.options: dict[str, Any] = dict(
+            model=model, device=device, parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, paging=paging,
+            kv_pages=kv_pages, step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens,
+            page_size=page_size)
+        self.max_queue = max_queue
+        self.ctx = ctx
+        self.parts: EngineParts | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        self._ids = itertools.count(1)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> Engine:
+        if self.parts is None:
+            self._loop = asyncio.get_running_loop()
+            self.parts = await asyncio.to_thread(build_engine, self.options, self._publish)
+            self.parts.core.start()
+        return self
+
+    async def close(self) -> None:
+        if self.parts is not None:
+            await asyncio.to_thread(self.parts.core.shutdown)
+
+    async def __aenter__(self) -> Engine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - tf_async.models.tokenizer.Tokenizer
+        return self._parts.checkpoint.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._parts.model_name
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self._parts.eos_ids
+
+    @property
+    def _parts(self) -> EngineParts:
+        if self.parts is None:
+            raise RuntimeError("Engine not started: use `async with Engine(...) as engine:`")
+        return self.parts
+
+    # ---- requests -----------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], **kwargs: Any) -> RequestStream:
+        return RequestStream(self, self._prompt_ids(prompt), self._params(prompt, kwargs))
+
+    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> RequestStream:
+        ids = self.tokenizer.encode_chat(messages)
+        return RequestStream(self, ids, self._params(ids, kwargs))
+
+    async def complete(self, prompt: str | list[int], **kwargs: Any) -> Completion:
+        return await _collect(self.stream(prompt, **kwargs))
+
+    async def chat_complete(self, messages: list[dict[str, Any]], **kwargs: Any) -> Completion:
+        return await _collect(self.chat(messages, **kwargs))
+
+    def stats(self) -> dict[str, object]:
+        return dict(self._parts.core.snapshot)
+
+    def lanes(self) -> list[dict[str, object]]:
+        return list(self._parts.core.lane_snapshot)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            _check(len(prompt) > 0, "prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.add_bos)
+        _check(isinstance(prompt, list) and len(prompt) > 0, "prompt must be a non-empty string or list of token ids", "prompt")
+        vocab = self._parts.vocab_size
+        _check(all(isinstance(t, int) and 0 <= t < vocab for t in prompt),
+               f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def _params(self, prompt: Any, kwargs: dict[str, Any]) -> SamplingParams:
+        try:
+            params = make_params(**kwargs)
+        except TypeError as exc:
+            raise BadInputError(f"bad argument: {exc}") from exc
+        return params
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue[TokenEvent]]:
+        parts = self._parts
+        total = len(prompt_ids) + params.max_tokens
+        _check(total <= self.ctx, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+               f"= {total} exceeds the context of {self.ctx} tokens", "max_tokens")
+        if len(self._queues) >= parts.num_lanes + self.max_queue:
+            raise QueueFullError(f"request queue is full ({self.max_queue} waiting)")
+        request_id = next(self._ids)
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids))
+        return request_id, queue
+
+    def _forget(self, request_id: int, *, cancel: bool) -> None:
+        if self._queues.pop(request_id, None) is not None and cancel and self.parts is not None:
+            self.parts.core.cancel(request_id)
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        """Engine thread -> loop, one call per round."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._dispatch, events)
+            except RuntimeError:
+                pass  # loop closed while shutting down
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+
+async def _collect(stream: RequestStream) -> Completion:
+    texts: list[str] = []
+    ids: list[int] = []
+    logprobs: list[dict[int, float]] = []
+    last: Delta | None = None
+    async for delta in stream:
+        texts.append(delta.text)
+        ids.extend(delta.token_ids)
+        logprobs.extend(delta.logprobs or [])
+        last = delta
+    assert last is not None and last.finish_reason is not None
+    return Completion("".join(texts), ids, last.finish_reason,
+                      logprobs if stream.params.logprobs is not None else None,
+                      last.usage or Usage(len(stream.prompt_ids), len(ids)))

@@ -1,0 +1,54 @@
+"""`tf-async`: serve, chat, gate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, MLX folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "fp8"])
+    p.add_argument("--drafter", default=None, help="ngram | draft:PATH | mtp")
+    p.add_argument("--draft-tokens", type=int, default=4)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tf-async", description="tf_async LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from .server.cli import add_chat_args, add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    add_chat_args(sub.add_parser("chat", help="terminal chat client"))
+    gate = sub.add_parser("gate", help="run the gates and print a table")
+    _add_engine_args(gate)
+    gate.add_argument("--max-tokens", type=int, default=16)
+    bench = sub.add_parser("bench", help="decode/prefill throughput of the engine")
+    _add_engine_args(bench)
+    bench.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8])
+    bench.add_argument("--max-tokens", type=int, default=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from .server.cli import run_serve
+
+        return run_serve(args) or 0
+    if args.command == "chat":
+        from .server.cli import run_chat
+
+        return run_chat(args) or 0
+    if args.command == "gate":
+        from .gate import main_gate
+
+        return main_gate(args)
+    from .bench import main_bench
+
+    return main_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

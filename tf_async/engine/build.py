@@ -1,0 +1,97 @@
+"""Assemble an engine from options: checkpoint -> ops -> decoder -> arena -> lanes -> core."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..backend.base import Ops
+from ..backend.select import make_ops
+from ..errors import BadInputError
+from ..models.checkpoint import Checkpoint
+from ..models.decoder import Decoder
+from .core import EngineCore
+from .lanes import Lanes
+from .pages import Runs, pages_for_rows
+from .runner import KV_DTYPES, Arena, Runner
+from .sched import Scheduler
+from .sequence import TokenEvent
+
+
+@dataclass(slots=True)
+class EngineParts:
+    checkpoint: Checkpoint
+    ops: Ops
+    decoder: Decoder
+    arena: Arena
+    lanes: Lanes
+    scheduler: Scheduler
+    runner: Runner
+    core: EngineCore
+    model_name: str
+    eos_ids: tuple[int, ...]
+    vocab_size: int
+    num_lanes: int
+
+
+def validate_options(o: dict[str, Any]) -> None:
+    def need(cond: bool, message: str, param: str) -> None:
+        if not cond:
+            raise BadInputError(message, param=param)
+
+    need(isinstance(o["parallel"], int) and 1 <= o["parallel"] <= 1024, "parallel must be in [1, 1024]", "parallel")
+    need(isinstance(o["ctx"], int) and 2 <= o["ctx"] <= 1 << 20, "ctx must be in [2, 1048576]", "ctx")
+    need(o["kv_dtype"] in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}", "kv_dtype")
+    need(isinstance(o["page_size"], int) and 1 <= o["page_size"] <= 1024, "page_size must be in [1, 1024]", "page_size")
+    need(isinstance(o["step_tokens"], int) and o["step_tokens"] >= 1, "step_tokens must be >= 1", "step_tokens")
+    need(isinstance(o["draft_tokens"], int) and 1 <= o["draft_tokens"] <= 16, "draft_tokens must be in [1, 16]", "draft_tokens")
+    per_lane = pages_for_rows(o["ctx"], o["page_size"])
+    kv_pages = o["kv_pages"]
+    need(kv_pages is None or (isinstance(kv_pages, int) and kv_pages >= per_lane),
+         f"kv_pages must be at least ctx / page_size = {per_lane} so that one stream fits", "kv_pages")
+
+
+def load_model(model: str | Checkpoint | None) -> Checkpoint:
+    if isinstance(model, Checkpoint):
+        return model
+    from ..models.default import default_model_path
+    from ..models.loader import load_checkpoint
+
+    return load_checkpoint(model if model is not None else default_model_path())
+
+
+def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], None],
+                 ) -> EngineParts:
+    validate_options(options)
+    ckpt = load_model(options["model"])
+    ops = make_ops(options["device"])
+    decoder = Decoder(ckpt, ops)
+    per_lane = pages_for_rows(options["ctx"], options["page_size"])
+    num_lanes = options["parallel"]
+    num_pages = options["kv_pages"] or per_lane * num_lanes
+    runs = Runs(paging=options["paging"], num_lanes=num_lanes, pages_per_lane=per_lane,
+                page_size=options["page_size"], num_pages=num_pages)
+    arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options["page_size"],
+                  kv_dtype=options["kv_dtype"], kv_scales=_kv_scales(decoder, ckpt, options["kv_dtype"]))
+    lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
+    scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"])
+    runner = Runner(decoder, arena)
+    core = EngineCore(scheduler, runner, publish)
+    if options.get("drafter"):
+        from .drafting import attach_drafter
+
+        attach_drafter(options, ckpt, scheduler, runner, lanes)
+    name = os.path.basename(str(ckpt.path).rstrip("/")) or ckpt.config.name
+    eos = ckpt.config.eos_token_ids or tuple(ckpt.tokenizer.eos_token_ids)
+    return EngineParts(ckpt, ops, decoder, arena, lanes, scheduler, runner, core, name,
+                       tuple(eos), ckpt.config.vocab_size, num_lanes)
+
+
+def _kv_scales(decoder: Decoder, ckpt: Checkpoint, kv_dtype: str):  # noqa: ANN202
+    if kv_dtype != "fp8":
+        return None
+    from .calibrate import CALIBRATION_TEXT, fp8_kv_scales
+
+    return fp8_kv_scales(decoder, ckpt.tokenizer.encode(CALIBRATION_TEXT))

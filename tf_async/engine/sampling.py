@@ -1,0 +1,68 @@
+"""Host-side sampling of one logits row.
+
+Seeded randomness is drawn from (seed, position) only, so a seeded stream samples the same
+token at a position alone, in any batch, drafted or plain.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ..api_types import SamplingParams
+
+
+def uniform_at(seed: int, pos: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, pos)."""
+    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, pos]).random())
+
+
+def top_logprobs(logits: np.ndarray, chosen: int, top_n: int) -> dict[int, float]:
+    """Top-n log-softmax of the raw logits, chosen token included."""
+    x = logits.astype(np.float64)
+    lse = np.log(np.exp(x - x.max()).sum()) + x.max()
+    ids = np.argsort(-x, kind="stable")[:top_n] if top_n > 0 else np.empty(0, np.int64)
+    out = {int(i): float(x[i] - lse) for i in ids}
+    out[int(chosen)] = float(x[chosen] - lse)
+    return out
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> np.ndarray:
+    if (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0):
+        return logits
+    x = logits.astype(np.float32).copy()
+    if params.repetition_penalty != 1.0:
+        seen = np.fromiter(set(prompt_ids) | set(output_ids), dtype=np.int64)
+        vals = x[seen]
+        x[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = Counter(output_ids)
+        ids = np.fromiter(counts.keys(), dtype=np.int64)
+        freq = np.fromiter(counts.values(), dtype=np.float32)
+        x[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    return x
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, pos: int) -> int:
+    """Pick the token for position `pos` from (penalised) logits [V]."""
+    if params.temperature == 0.0 or params.top_k == 1:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-x, kind="stable")
+    if params.top_k > 0:
+        order = order[: params.top_k]
+    xs = x[order]
+    probs = np.exp(xs - xs[0])
+    probs /= probs.sum()
+    keep = len(probs)
+    if params.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
+    if params.min_p > 0.0:
+        keep = min(keep, max(1, int(np.count_nonzero(probs >= params.min_p * probs[0]))))
+    probs = probs[:keep] / probs[:keep].sum()
+    u = uniform_at(seed, pos)
+    index = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), keep - 1)
+    return int(order[index])

@@ -1,0 +1,217 @@
+"""Scheduler: admission, prompt cuts, decode rounds, preemption, and the update after a round.
+
+It holds integers and lists only; arrays live in the runner. Out of pages mid-stream, the
+most recently admitted other stream is preempted (lane released, KV recomputed later from
+its prompt + output so far), so the engine never deadlocks and never corrupts a run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..api_types import SamplingParams
+from .lanes import Lanes
+from .sampling import apply_penalties, sample_token, top_logprobs
+from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
+
+
+class Scheduler:
+    def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int):
+        self.lanes = lanes
+        self.runs = lanes.runs
+        self.step_tokens = step_tokens
+        self.ctx = ctx
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.round_index = 0
+        self._num_admissions = 0
+        self.drafter = None  # set by the engine when drafting is on (engine/drafting.py)
+
+    # ---- inbox --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def cancel(self, request_id: int) -> Sequence | None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.request_id == request_id and not seq.finished:
+                seq.cancelled = True
+                return seq
+        return None
+
+    def sweep_cancelled(self) -> list[TokenEvent]:
+        """Between rounds: release every cancelled stream's lane."""
+        events = []
+        for seq in [s for s in [*self.running, *self.waiting] if s.cancelled and not s.finished]:
+            events.append(self.finish(seq, "cancelled"))
+        return events
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> RoundPlan:
+        self.round_index += 1
+        pages_to_zero: list[int] = []
+        self._admit(pages_to_zero)
+        rows: list[SeqRows] = []
+        budget = self.step_tokens
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            decode = self._decode_rows(seq, pages_to_zero) if seq.lane is not None else None
+            if decode is not None:
+                rows.append(decode)
+                budget -= len(decode.token_ids)
+        for seq in [s for s in self.running if s.is_prefilling]:
+            if budget <= 0:
+                break
+            if seq.lane is None:
+                continue
+            cut = self._prompt_cut(seq, budget, pages_to_zero)
+            if cut is not None:
+                rows.append(cut)
+                budget -= len(cut.token_ids)
+        if not rows and self.running:
+            self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
+            return self.schedule()
+        tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
+        return RoundPlan(tuple(rows), tables, tuple(pages_to_zero))
+
+    def _admit(self, pages_to_zero: list[int]) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            first_rows = min(seq.num_pending, self.step_tokens)
+            if self.runs.paging and not self.runs.pool.can_allocate(
+                    -(-first_rows // self.runs.page_size)):
+                return  # first come, first served: later requests wait behind the head
+            opened = self.lanes.try_open(seq.request_id)
+            if opened is None:
+                return
+            seq.lane, new_pages = opened
+            pages_to_zero.extend(new_pages)
+            self._num_admissions += 1
+            seq.admitted_round = self._num_admissions
+            self.waiting.popleft()
+            self.running.append(seq)
+
+    def _decode_rows(self, seq: Sequence, pages_to_zero: list[int]) -> SeqRows | None:
+        drafts = self.drafter.propose(seq) if self.drafter is not None else ()
+        drafts = tuple(drafts[: max(0, self._room_for_drafts(seq))])
+        new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1 + len(drafts))
+        if new_pages is None and drafts:  # out of pages: drop the drafts first
+            drafts = ()
+            new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1)
+        while new_pages is None:
+            victim = max(self.running, key=lambda s: s.admitted_round)  # latest admitted
+            self._preempt(victim)
+            if victim is seq:
+                return None
+            new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1)
+        num_rows = 1 + len(drafts)
+        pages_to_zero.extend(new_pages)
+        tokens = (seq.last_token(), *drafts)
+        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, num_rows, tuple(drafts))
+
+    def _room_for_drafts(self, seq: Sequence) -> int:
+        left = seq.params.max_tokens - len(seq.output_ids) - 1
+        return min(left, self.ctx - seq.num_tokens - 1)
+
+    def _prompt_cut(self, seq: Sequence, budget: int, pages_to_zero: list[int]) -> SeqRows | None:
+        num_rows = min(seq.num_pending, budget)
+        if self.runs.paging:
+            room = (len(self.runs.pages(seq.lane)) + self.runs.pool.num_free) * self.runs.page_size
+            num_rows = min(num_rows, room - seq.num_computed)
+        if num_rows <= 0:
+            return None
+        new_pages = self.runs.reserve(seq.lane, seq.num_computed + num_rows)
+        assert new_pages is not None
+        pages_to_zero.extend(new_pages)
+        stop = seq.num_computed + num_rows
+        tokens = tuple(seq.token_slice(seq.num_computed, stop))
+        samples = 1 if stop == seq.num_tokens else 0
+        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, samples)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.lane is not None:
+            self.lanes.release(seq.lane)
+            seq.lane = None
+
+    # ---- update -------------------------------------------------------------------------
+    def update(self, plan: RoundPlan, result: RoundResult) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        by_id = {s.request_id: s for s in self.running}
+        for rows in plan.rows:
+            seq = by_id.get(rows.request_id)
+            if seq is None or seq.finished:
+                continue
+            if rows.request_id in result.failed:
+                events.append(self.finish(seq, None, error=result.failed[rows.request_id]))
+                continue
+            seq.num_computed += len(rows.token_ids)
+            if rows.num_logit_rows:
+                events.append(self._accept(seq, rows, result))
+        return events
+
+    def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:
+        """Sample at each logit row; keep drafts while they equal the target's own choice."""
+        logits = result.logits[seq.request_id]
+        new_ids: list[int] = []
+        logprobs: list[dict[int, float]] = []
+        finish = None
+        for i in range(rows.num_logit_rows):
+            token = self._sample(seq, logits[i])
+            if seq.params.logprobs is not None:
+                logprobs.append(top_logprobs(logits[i], token, seq.params.logprobs))
+            seq.output_ids.append(token)
+            new_ids.append(token)
+            finish = self._finish_reason(seq, token)
+            if finish or i >= len(rows.draft_ids) or rows.draft_ids[i] != token:
+                break
+        seq.num_drafted += len(rows.draft_ids)
+        seq.num_accepted += len(new_ids) - 1
+        # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
+        seq.num_computed = rows.start_pos + len(new_ids)
+        if self.drafter is not None:
+            self.drafter.absorb(seq, rows, len(new_ids))
+        lp = tuple(logprobs) if seq.params.logprobs is not None else None
+        if finish:
+            return self.finish(seq, finish, new_ids=new_ids, logprobs=lp)
+        return TokenEvent(seq.request_id, tuple(new_ids), lp)
+
+    def _sample(self, seq: Sequence, row_logits) -> int:
+        x = apply_penalties(row_logits, seq.params, seq.prompt_ids, seq.output_ids)
+        return sample_token(x, seq.params, seq.seed, seq.num_tokens)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.ctx:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str | None, *, error: str | None = None,
+               new_ids: list[int] | None = None, logprobs=None) -> TokenEvent:
+        """End a stream: release its lane (the one release path) and drop it."""
+        seq.finished = True
+        self._release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        return TokenEvent(seq.request_id, tuple(new_ids or ()), logprobs, reason, error,
+                          len(seq.prompt_ids), seq.num_drafted, seq.num_accepted)
+
+
+def make_sequence(request_id: int, prompt_ids: list[int], params: SamplingParams, seed: int,
+                  eos_ids: tuple[int, ...]) -> Sequence:
+    stop = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop |= set(eos_ids)
+    return Sequence(request_id, list(prompt_ids), params, seed, frozenset(stop))

@@ -1,0 +1,96 @@
+"""A request's state inside the engine thread, and the plan/result/event dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..api_types import SamplingParams
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Owned by the engine thread. KV rows [0, num_computed) of `tokens` are in the run."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    lane: int | None = None
+    num_computed: int = 0
+    admitted_round: int = -1
+    cancelled: bool = False
+    finished: bool = False
+    num_preemptions: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending > 1
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if stop <= n_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt: stop - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n_prompt]
+
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqRows:
+    """The rows one stream contributes to a round: tokens at positions start_pos.."""
+
+    request_id: int
+    lane: int
+    start_pos: int
+    token_ids: tuple[int, ...]
+    num_logit_rows: int  # 0 mid-prompt; 1 to sample the next token; 1 + k to verify k drafts
+    draft_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    rows: tuple[SeqRows, ...]
+    block_tables: dict[int, tuple[int, ...]]  # lane -> its run's page ids
+    pages_to_zero: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    logits: dict[int, np.ndarray]  # request id -> [num_logit_rows, V] float32 (host)
+    hidden: dict[int, np.ndarray]  # request id -> [num_logit_rows, H] (drafters use it)
+    failed: dict[int, str]  # request id -> error message
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Engine -> loop: new tokens of one request, and its end."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

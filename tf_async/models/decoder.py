@@ -1,0 +1,94 @@
+"""One decoder for llama / qwen2 / qwen3 / qwen3_moe, described by ModelConfig.
+
+The caller (the engine's runner) owns the KV arena and passes it in with the batch's
+metadata; the decoder holds only weights. Every op is row-wise batch-invariant, so a row's
+logits do not depend on which other rows share the call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..backend.base import Array, Ops
+from .checkpoint import Checkpoint, LayerWeights, ModelWeights
+from .rope import rope_tables
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Rows of one forward call (any mix of streams). Arrays live on the ops' device."""
+
+    token_ids: Array  # [rows] int64
+    positions: Array  # [rows] int64, absolute position of each row in its stream
+    slots: Array  # [rows] int64, KV slot each row writes
+    row_seq: Array  # [rows] int32, row -> index into block_table
+    block_table: Array  # [seqs, max_pages] int32
+    logit_rows: Array  # [m] int64, rows whose logits are wanted
+    page_size: int
+
+
+class Decoder:
+    def __init__(self, ckpt: Checkpoint, ops: Ops):
+        self.config = ckpt.config
+        self.ops = ops
+        self.weights = _upload(ckpt.weights, ops)
+        inv_freq, self.mscale = rope_tables(ckpt.config, ckpt.weights.rope_freq_divisors)
+        self.inv_freq = ops.asarray(inv_freq)
+        self.sm_scale = 1.0 / math.sqrt(ckpt.config.head_dim)
+
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        """Run the rows; return (logits [m, V], final-normed hidden [m, H]) of batch.logit_rows."""
+        ops, w = self.ops, self.weights
+        h = ops.embed(w.embed, batch.token_ids)
+        for index, layer in enumerate(w.layers):
+            h = h + self._attention(index, layer, h, batch, kv, kv_scales)
+            h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
+        hidden = ops.rms_norm(h[batch.logit_rows], w.final_norm, self.config.rms_norm_eps)
+        return ops.linear(hidden, w.lm_head), hidden
+
+    def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
+                   kv: Array, kv_scales: Array) -> Array:
+        ops, cfg = self.ops, self.config
+        rows = h.shape[0]
+        a = ops.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        q = ops.linear(a, layer.q, layer.q_bias).reshape(rows, cfg.num_heads, cfg.head_dim)
+        k = ops.linear(a, layer.k, layer.k_bias).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
+        v = ops.linear(a, layer.v, layer.v_bias).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        ops.rope(q, batch.positions, self.inv_freq, self.mscale)
+        ops.rope(k, batch.positions, self.inv_freq, self.mscale)
+        ops.kv_write(kv, index, k, v, batch.slots, kv_scales)
+        o = ops.attention(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
+                          batch.positions, batch.page_size, self.sm_scale)
+        return ops.linear(o.reshape(rows, cfg.q_size), layer.o, layer.o_bias)
+
+    def _mlp(self, index: int, layer: LayerWeights, a: Array) -> Array:
+        ops, cfg = self.ops, self.config
+        if layer.router is not None:
+            return ops.moe(a, layer.router, layer.experts_gate, layer.experts_up, layer.experts_down,
+                           cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return ops.linear(ops.silu_mul(ops.linear(a, layer.gate), ops.linear(a, layer.up)), layer.down)
+
+
+def _upload(weights: ModelWeights, ops: Ops) -> ModelWeights:
+    """Move every array to the ops' device once, at load."""
+    cache: dict[int, Any] = {}
+
+    def put(x: Any) -> Any:
+        if x is None:
+            return None
+        if id(x) not in cache:  # tied embeddings stay one object
+            cache[id(x)] = ops.asarray(x) if isinstance(x, np.ndarray) else ops.upload_linear(x)
+        return cache[id(x)]
+
+    layers = [replace(layer, **{f: put(getattr(layer, f)) for f in LayerWeights.__slots__})
+              for layer in weights.layers]
+    return ModelWeights(embed=put(weights.embed), lm_head=put(weights.lm_head),
+                        final_norm=put(weights.final_norm), layers=layers,
+                        rope_freq_divisors=weights.rope_freq_divisors)

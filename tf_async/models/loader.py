@@ -1,0 +1,31 @@
+"""The one entry point that turns a model path into a Checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import ModelFormatError
+from .checkpoint import Checkpoint
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Load a `.gguf` file or a Hugging Face / MLX folder (config.json + safetensors).
+
+    Anything else (a missing path, another kind of file) is a ModelFormatError.
+    """
+    model_path = Path(path).expanduser()
+    if not model_path.exists():
+        raise ModelFormatError(f"{model_path}: model path does not exist")
+    if model_path.is_dir():
+        from .hf import load_hf_folder
+
+        return load_hf_folder(model_path)
+    if model_path.suffix.lower() == ".gguf":
+        from .gguf_io import load_gguf  # lazy: only GGUF models need the GGUF reader
+
+        return load_gguf(str(model_path))
+    raise ModelFormatError(
+        f"{model_path}: not a model; expected a .gguf file or a folder with config.json "
+        "and model.safetensors (Hugging Face or MLX)"
+    )

@@ -1,0 +1,356 @@
+"""Request and response bodies of the HTTP / websocket API as msgspec structs.
+
+Requests are decoded strictly (unknown fields refused, ranges checked); every decoding or
+validation failure becomes a `BadInputError` naming the offending field, which the app
+turns into a 400 with the OpenAI error JSON. Response structs use OpenAI's field names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from ..api_types import Completion, Delta, Usage
+from ..errors import BadInputError
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]  # -1 (vLLM habit) and 0 both mean "off"
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+StopString = Annotated[str, Meta(min_length=1)]
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by completions, chat completions and websocket chats."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Meta(ge=1, le=1)] = 1  # one choice per request
+    user: str | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=0)] | None = None
+
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def engine_kwargs(self, max_tokens: int, num_logprobs: int | None) -> dict[str, Any]:
+        """Keyword arguments for Engine.stream / chat / complete."""
+        kwargs: dict[str, Any] = dict(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=list(self.stop_tuple()),
+            stop_token_ids=list(self.stop_token_ids or ()), logprobs=num_logprobs,
+        )
+        if self.ignore_eos:  # only passed when asked: an extension the engine may lack
+            kwargs["ignore_eos"] = True
+        return kwargs
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: NumLogprobs | None = None
+    echo: Literal[False] = False
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
+    suffix: None = None
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt as text or token ids (batched prompts are refused)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if all(isinstance(tok, int) for tok in self.prompt):
+            return [int(tok) for tok in self.prompt]
+        if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        raise BadInputError("prompt must be one string or one list of token ids "
+                            "(batched prompts are not supported)", param="prompt")
+
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+        return {"role": self.role, "content": text}
+
+
+Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: Messages
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Any], Meta(max_length=0)] | None = None  # tool calling: not supported
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [message.as_dict() for message in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise BadInputError("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+class WsChat(_Sampling, kw_only=True, tag_field="type", tag="chat"):
+    """Websocket `{"type": "chat", "id": ..., "messages": [...], ...params}`."""
+
+    id: str | int
+    messages: Messages
+    max_completion_tokens: MaxTokens | None = None
+
+
+class WsCancel(Struct, forbid_unknown_fields=True, tag_field="type", tag="cancel"):
+    id: str | int
+
+
+class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Messages | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class UsageOut(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    drafted_tokens: int = 0  # extension
+    accepted_tokens: int = 0  # extension
+
+    @classmethod
+    def of(cls, usage: Usage) -> UsageOut:
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
+                   usage.drafted_tokens, usage.accepted_tokens)
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(Struct, omit_defaults=True):
+    id: str
+    object: str  # "text_completion" (required: omit_defaults would drop a default)
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatResponse(Struct):
+    id: str
+    object: str  # "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class ChunkDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChunkDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(Struct, omit_defaults=True):
+    id: str
+    object: str  # "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- decoding
+
+_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
+_UNKNOWN_RE = re.compile(r"unknown field `(?P<name>[^`]*)`")
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(body: bytes, kind: type[Any]) -> Any:
+    """Decode a JSON body into `kind`; raise BadInputError naming the bad field."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadInputError(f"Invalid request: {exc}", param=error_param(str(exc)),
+                            code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise BadInputError(f"Malformed JSON body: {exc}", code="invalid_json") from None
+
+
+def error_param(message: str) -> str | None:
+    """The field a msgspec error message points at (`$.messages[0].role` -> `messages[0].role`)."""
+    path_match = _PATH_RE.search(message)
+    path = path_match.group("path") if path_match else ""
+    unknown = _UNKNOWN_RE.search(message)
+    if unknown:
+        path = f"{path}.{unknown.group('name')}" if path else unknown.group("name")
+    return path or None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [message.as_dict() for message in messages]
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def sorted_top(entry: dict[int, float], limit: int) -> list[tuple[int, float]]:
+    """The `limit` most likely (token id, log-prob) pairs, most likely first."""
+    return sorted(entry.items(), key=lambda item: (-item[1], item[0]))[:limit]
+
+
+def completion_logprobs(
+    delta_ids: list[int], entries: list[dict[int, float]], limit: int,
+    decode_token: Any, text_offset: int,
+) -> CompletionLogprobs:
+    """Legacy completions logprobs for the tokens of one delta or one completion."""
+    tokens = [decode_token(tok) for tok in delta_ids]
+    offsets: list[int] = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[entry.get(tok, float("-inf")) for tok, entry in zip(delta_ids, entries, strict=True)],
+        top_logprobs=[{decode_token(t): lp for t, lp in sorted_top(entry, limit)} for entry in entries],
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(
+    delta_ids: list[int], entries: list[dict[int, float]], limit: int, decode_token: Any,
+) -> ChatLogprobs:
+    """Chat logprobs (`content: [{token, logprob, bytes, top_logprobs}]`)."""
+    content: list[TokenLogprob] = []
+    for tok, entry in zip(delta_ids, entries, strict=True):
+        token = decode_token(tok)
+        tops = [TopLogprob(decode_token(t), lp, list(decode_token(t).encode()))
+                for t, lp in sorted_top(entry, limit)]
+        content.append(TokenLogprob(token, entry.get(tok, float("-inf")), list(token.encode()), tops))
+    return ChatLogprobs(content)
+
+
+def usage_of(item: Delta | Completion) -> UsageOut | None:
+    return UsageOut.of(item.usage) if item.usage is not None else None

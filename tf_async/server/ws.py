@@ -1,0 +1,169 @@
+"""Websocket chat at /v1/chat/ws.
+
+Client -> server: `{"type": "chat", "id": ..., "messages": [...], ...sampling params}` and
+`{"type": "cancel", "id": ...}`. Server -> client: `{"type": "delta", "id", "text"}`, then
+`{"type": "done", "id", "finish_reason", "usage"}` (finish_reason "cancelled" and usage
+null after a cancel) or `{"type": "error", "id", "error": {message, type, param, code}}`.
+Several chats run at once on one socket, each in its own task; closing the socket cancels
+them all. Sends share one lock, so a slow reader only holds back its own socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+from aiohttp import WSMsgType, web
+
+from ..api_types import Delta
+from ..errors import BadInputError, QueueFullError
+from .app import SERVER_KEY, HttpError, Server
+from .schemas import UsageOut, WsCancel, WsChat, decode
+
+log = logging.getLogger("tf_async.server")
+
+ChatId = str | int
+_encoder = msgspec.json.Encoder()
+
+
+class ChatSocket:
+    """One websocket connection and the chats running on it."""
+
+    def __init__(self, server: Server, ws: web.WebSocketResponse):
+        self.server = server
+        self.ws = ws
+        self.chats: dict[ChatId, asyncio.Task[None]] = {}
+        self._send_lock = asyncio.Lock()
+        self._closing = False
+
+    async def serve(self) -> None:
+        try:
+            async for msg in self.ws:
+                if msg.type == WSMsgType.TEXT:
+                    await self.on_text(msg.data)
+                elif msg.type == WSMsgType.BINARY:
+                    await self.send_error(None, BadInputError("send JSON text frames"))
+        finally:
+            await self.cancel_all()
+
+    async def on_text(self, data: str) -> None:
+        try:
+            msg = decode(data.encode(), WsChat | WsCancel)
+        except BadInputError as exc:
+            await self.send_error(_guess_id(data), exc)
+            return
+        if isinstance(msg, WsCancel):
+            task = self.chats.get(msg.id)
+            if task is not None:
+                task.cancel()
+        elif msg.id in self.chats:
+            await self.send_error(msg.id, BadInputError(f"chat {msg.id!r} is already running",
+                                                        param="id", code="duplicate_id"))
+        else:
+            self.start_chat(msg)
+
+    def start_chat(self, msg: WsChat) -> None:
+        task = asyncio.create_task(self.run_chat(msg))
+        self.chats[msg.id] = task
+        task.add_done_callback(lambda done: self._forget(msg.id, done))
+
+    def _forget(self, chat_id: ChatId, task: asyncio.Task[None]) -> None:
+        if self.chats.get(chat_id) is task:
+            del self.chats[chat_id]
+
+    async def run_chat(self, msg: WsChat) -> None:
+        tracker = self.server.metrics.tracker("ws_chat")
+        try:
+            with tracker.guard():
+                last = await self._stream_chat(msg, tracker)
+            tracker.finish(last.finish_reason or "stop", last.usage)
+            usage = UsageOut.of(last.usage) if last.usage is not None else None
+            await self.send({"type": "done", "id": msg.id, "finish_reason": last.finish_reason,
+                             "usage": usage})
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            await self.send({"type": "done", "id": msg.id, "finish_reason": "cancelled",
+                             "usage": None})
+        except (BadInputError, QueueFullError, HttpError) as exc:
+            await self.send_error(msg.id, exc)
+        except ConnectionResetError:
+            pass  # the socket is gone; serve() cancels the rest
+        except Exception as exc:
+            log.exception("websocket chat %r failed", msg.id)
+            await self.send_error(msg.id, exc)
+
+    async def _stream_chat(self, msg: WsChat, tracker: Any) -> Delta:
+        server = self.server
+        server.check_model(msg.model)
+        messages = [message.as_dict() for message in msg.messages]
+        requested = msg.max_completion_tokens or msg.max_tokens
+        default = server.chat_default_max_tokens(messages) if requested is None else 0
+        kwargs = msg.engine_kwargs(server.max_tokens_for(requested, default), None)
+        last = Delta("", [], "stop")
+        async with contextlib.aclosing(server.engine.chat(messages, **kwargs)) as deltas:
+            async for delta in deltas:
+                tracker.on_tokens(len(delta.token_ids))
+                if delta.text:
+                    await self.send({"type": "delta", "id": msg.id, "text": delta.text})
+                last = delta
+                if delta.finish_reason is not None:
+                    break
+        return last
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        if self._closing or self.ws.closed:
+            return
+        async with self._send_lock:
+            await self.ws.send_str(_encoder.encode(payload).decode())
+
+    async def send_error(self, chat_id: ChatId | None, exc: Exception) -> None:
+        await self.send({"type": "error", "id": chat_id, "error": _error_body(exc)})
+
+    async def cancel_all(self) -> None:
+        self._closing = True
+        tasks = list(self.chats.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_body(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, BadInputError):
+        return {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
+                "code": exc.code or "invalid_value"}
+    if isinstance(exc, QueueFullError):
+        return {"message": str(exc) or "the request queue is full; retry later",
+                "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    if isinstance(exc, HttpError):
+        return {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
+                "code": exc.code}
+    return {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
+            "param": None, "code": "internal_error"}
+
+
+def _guess_id(data: str) -> ChatId | None:
+    """The `id` of a message that failed validation, so the client can match the error."""
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    chat_id = value.get("id") if isinstance(value, dict) else None
+    return chat_id if isinstance(chat_id, str | int) and not isinstance(chat_id, bool) else None
+
+
+async def chat_websocket(request: web.Request) -> web.WebSocketResponse:
+    """GET /v1/chat/ws: upgrade and serve chats until the socket closes."""
+    server = request.app[SERVER_KEY]
+    server.check_origin(request)
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=server.max_body_bytes)
+    await ws.prepare(request)
+    server.websockets.add(ws)
+    try:
+        await ChatSocket(server, ws).serve()
+    finally:
+        server.websockets.discard(ws)
+    return ws
