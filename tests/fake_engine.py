@@ -59,6 +59,7 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     lane: int = -1
+    ignore_eos: bool = False
 
 
 def next_token(prompt_ids: list[int], seed: int, pos: int) -> int:
@@ -165,7 +166,8 @@ class FakeEngine:
         if len(self._waiting) >= self.max_queue:
             raise QueueFullError("queue full")
         request = _Request(prompt_ids, max_tokens, int(kwargs.get("seed") or 0),
-                           tuple(kwargs.get("stop_token_ids") or ()))
+                           tuple(kwargs.get("stop_token_ids") or ()),
+                           ignore_eos=bool(kwargs.get("ignore_eos")))
         self._waiting.append(request)
         self._wake.set()
         return request
@@ -203,7 +205,7 @@ class FakeEngine:
         tok = next_token(request.prompt_ids, request.seed, len(request.generated))
         request.generated.append(tok)
         finish = None
-        if tok == EOS_ID or tok in request.stop_token_ids:
+        if (tok == EOS_ID and not request.ignore_eos) or tok in request.stop_token_ids:
             finish = "stop"
         elif len(request.generated) >= request.max_tokens:
             finish = "length"

@@ -31,7 +31,7 @@ def head_dim(cfg: Cfg) -> int:
 def rope_params(cfg: Cfg) -> tuple[float, dict[str, Any]]:
     """(theta, scaling dict with 'rope_type') from old or transformers-5 style keys."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return theta, params
 

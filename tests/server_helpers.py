@@ -30,16 +30,6 @@ def write_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def real_engine_available() -> bool:
-    try:
-        import tf_async  # noqa: F401
-        from tf_async.api import Engine  # noqa: F401
-        from tf_async.engine import build  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @contextlib.asynccontextmanager
 async def live_server(engine: Any, **app_kwargs: Any) -> AsyncIterator[str]:
     """Serve `engine` on 127.0.0.1:<ephemeral>; yields the base URL."""
@@ -87,3 +77,25 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
     match = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+@contextlib.asynccontextmanager
+async def open_engine(folder: Path, **engine_kwargs: Any) -> AsyncIterator[Any]:
+    """The real tf_async.Engine on the tiny checkpoint in `folder` (written if missing).
+
+    TF_SERVER_TESTS_FAKE=1 swaps in tests/fake_engine.py (a development aid only)."""
+    import os
+
+    if os.environ.get("TF_SERVER_TESTS_FAKE"):
+        from .fake_engine import FakeEngine
+
+        async with FakeEngine(**engine_kwargs) as fake:
+            yield fake
+        return
+    from tf_async import Engine
+
+    if not (folder / "config.json").exists():
+        write_tiny_model(folder)
+    engine_kwargs.setdefault("device", "cpu")
+    async with Engine(str(folder), **engine_kwargs) as engine:
+        yield engine

@@ -84,9 +84,12 @@ def test_reader_aligned_and_unaligned(tmp_path: Path) -> None:
                "d": rng.standard_normal(4).astype(np.float16), "e": rng.standard_normal(2)}
     for align in (True, False):
         path = write_safetensors(tmp_path / f"x{align}.safetensors", tensors, align=align)
+        header = read_safetensors_header(path)
+        assert any(info.begin % 4 for info in header.values()) == (not align)
         got = load_safetensors(path)
         for name, arr in tensors.items():
             assert got[name].dtype == arr.dtype and got[name].shape == arr.shape
+            assert got[name].flags.aligned and got[name].flags.c_contiguous  # kernels need both
             np.testing.assert_array_equal(got[name], arr)
         got["a"][0, 0] = 99.0  # copy-on-write: the file is untouched
         assert load_safetensors(path)["a"][0, 0] == tensors["a"][0, 0]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -39,16 +39,7 @@ USER_MSG = [{"role": "user", "content": "What is the capital of France?"}]
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """GGUF key/values as Python values (strings, ints, floats, bools, lists)."""
     reader = GGUFReader(path)
-    return {name: _field_value(field) for name, field in reader.fields.items()}
-
-
-def _field_value(field: Any) -> Any:
-    def scalar(kind: GGUFValueType, part: Any) -> Any:
-        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part[0].item()
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [scalar(field.types[-1], field.parts[i]) for i in field.data]
-    return scalar(field.types[0], field.parts[field.data[0]])
+    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +131,7 @@ def test_default_model_chat_template(smol: Tokenizer) -> None:
     assert ids[0] == 1 and smol.decode(ids) == text
 
 
-def test_pre_tokenizers_split_as_llama_cpp_lists(smol_meta: dict[str, Any]) -> None:
+def test_pre_tokenizers_split_as_llama_cpp_lists() -> None:
     text = "I'M 12345 abc!!\n\n  x"
     expect = {
         "gpt2": ["I", "'", "M", "Ġ12345", "Ġabc", "!!", "ĊĊĠ", "Ġx"],
@@ -150,7 +141,8 @@ def test_pre_tokenizers_split_as_llama_cpp_lists(smol_meta: dict[str, Any]) -> N
         "default": ["I", "'", "M", "Ġ", "123", "45", "Ġabc", "!!", "ĊĊĠ", "Ġx"],
     }
     for pre, pieces in expect.items():
-        tok = Tokenizer.from_gguf_metadata({**smol_meta, "tokenizer.ggml.pre": pre})
+        meta = {**tiny_gguf_tokenizer_metadata(), "tokenizer.ggml.pre": pre}
+        tok = Tokenizer.from_gguf_metadata(meta)
         got = [p for p, _ in tok.hf_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
         assert got == pieces, pre
 
@@ -159,9 +151,11 @@ def test_matches_llama_cpp_token_ids(smol: Tokenizer) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(model_path=str(DEFAULT_GGUF), vocab_only=True, verbose=False)
     rng = random.Random(7)
-    alphabet = "abcXYZ 0123456789 \n\t.,!?'\"-_<>|😀中é ́"
-    texts = TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
-                     for _ in range(300)]
+    pools = [range(0x20, 0x7F), range(0xA0, 0x250), range(0x4E00, 0x4E80),
+             range(0x1F600, 0x1F650), [0x9, 0xA, 0xD, 0x85, 0x301, 0x2009, 0x200B, 0x3000]]
+    texts = TEXTS + ["".join(chr(rng.choice(rng.choice(pools))) for _ in range(rng.randint(1, 30)))
+                     + rng.choice(["", "", "<|im_start|>", "<|im_end|>", "<repo_name>"])
+                     for _ in range(500)]
     for text in texts:
         ours = smol.encode(text)
         theirs = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)

@@ -72,6 +72,8 @@ def random_hf_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, np.ndarra
         if arch == "qwen2" or cfg.get("attention_bias"):
             for name, size in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 w[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(size)).astype(np.float32)
+        if arch != "qwen2" and cfg.get("attention_bias"):
+            w[p + "self_attn.o_proj.bias"] = (0.1 * rng.standard_normal(H)).astype(np.float32)
         if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)

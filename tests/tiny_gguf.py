@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
+from tests.tiny_tokenizer import tiny_gguf_tokenizer_metadata
+
 QType = GGMLQuantizationType
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
@@ -207,30 +209,8 @@ def _rope_scaling_metadata(scaling: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def tokenizer_metadata() -> dict[str, Any]:
-    """`tokenizer.*` keys from tests/tiny_tokenizer.py, or a minimal byte-level stand-in."""
-    try:
-        from tests.tiny_tokenizer import tiny_gguf_tokenizer_metadata
-    except ImportError:
-        return _fallback_tokenizer_metadata()
+    """`tokenizer.*` keys of the tiny tokenizer (tests/tiny_tokenizer.py)."""
     return dict(tiny_gguf_tokenizer_metadata())
-
-
-def _fallback_tokenizer_metadata() -> dict[str, Any]:
-    from tests.tiny import TINY_VOCAB
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + [chr(0x100 + b) for b in range(256)]
-    tokens += [f"[PAD{i}]" for i in range(TINY_VOCAB - len(tokens))]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3] * len(specials) + [1] * (len(tokens) - len(specials)),
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                                   "{{ m['content'] }}<|im_end|>\n{% endfor %}",
-    }
 
 
 # ---- file writing -------------------------------------------------------------------------------
@@ -243,6 +223,8 @@ def _value_type(value: Any) -> GGUFValueType:
         return GGUFValueType.UINT32 if value >= 0 else GGUFValueType.INT32
     if isinstance(value, float):
         return GGUFValueType.FLOAT32
+    if isinstance(value, (list, tuple)):
+        return GGUFValueType.ARRAY
     return GGUFValueType.STRING
 
 

@@ -52,12 +52,15 @@ def _entry(arr: np.ndarray, dtype: str | None) -> tuple[str, bytes, list[int]]:
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], *, dtype: str | None = None,
                       align: bool = True, metadata: dict[str, str] | None = None) -> Path:
-    """Minimal safetensors writer. `align=False` leaves the header unpadded (as MLX does),
-    so multi-byte tensors may start at odd file offsets."""
+    """Minimal safetensors writer. `align=True` pads the header to 8 bytes and orders tensors
+    so each starts at a multiple of its item size; `align=False` leaves the header unpadded
+    (as MLX does), so multi-byte tensors may start at odd file offsets."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     chunks: list[bytes] = []
     offset = 0
-    for name in sorted(tensors):
+    # aligned files order tensors by descending item size (as the reference writer does)
+    order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n)) if align else sorted(tensors)
+    for name in order:
         st_dtype, raw, shape = _entry(tensors[name], dtype)
         header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)

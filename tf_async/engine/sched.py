@@ -25,6 +25,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.round_index = 0
         self._num_admissions = 0
+        self.num_preemptions = 0
         self.drafter = None  # set by the engine when drafting is on (engine/drafting.py)
 
     # ---- inbox --------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 

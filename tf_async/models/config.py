@@ -109,7 +109,7 @@ def config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> Model
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch == "llama" and bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             num_experts=int(cfg.get("num_experts", 0)) if arch == "qwen3_moe" else 0,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),

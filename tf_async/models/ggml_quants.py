@@ -43,8 +43,13 @@ def _pack_nibbles(vals: np.ndarray) -> np.ndarray:
 
 
 def _ggml_q4_block_codes(qs: np.ndarray) -> np.ndarray:
-    """Q4_0/Q4_1 qs [N, 16]: low nibbles are elements 0..15, high nibbles 16..31."""
-    return _pack_nibbles(np.concatenate([qs & 0xF, qs >> 4], axis=1))
+    """Q4_0/Q4_1 qs [N, 16] (low nibbles = elements 0..15, high = 16..31) -> our 16 bytes,
+    byte k = elements 2k | 2k+1 << 4: bytes 0..7 from low nibbles, 8..15 from high ones."""
+    even, odd = qs[:, 0::2], qs[:, 1::2]
+    out = np.empty_like(qs)
+    out[:, :8] = (even & 0xF) | (odd << 4)
+    out[:, 8:] = (even >> 4) | (odd & 0xF0)
+    return out
 
 
 def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

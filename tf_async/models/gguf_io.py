@@ -33,7 +33,7 @@ class _FastReader(GGUFReader):
     one view, laid out so that `ReaderField.contents()` still works unchanged.
     """
 
-    @property
+    @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._buf
 
@@ -60,9 +60,11 @@ class _FastReader(GGUFReader):
 
     def _string_array_parts(self, orig_offs: int) -> tuple[int, list, list[int], list]:
         count = int(self._get(orig_offs + 4, np.uint64)[0])
-        buf = memoryview(self._buf)
+        buf = self._buf.data  # memoryview of the whole file
         parts: list[Any] = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
         offs = orig_offs + 12
+        if count * 8 > len(buf) - offs:  # every string needs its 8-byte length
+            raise ValueError(f"string array at byte {orig_offs} claims {count} strings")
         for _ in range(count):
             length = int.from_bytes(buf[offs : offs + 8], "little")
             parts.append(buf[offs + 8 : offs + 8 + length])  # has .tobytes(), as contents() needs
@@ -86,6 +88,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
         reader = _FastReader(file_path)
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as exc:
         raise ModelFormatError(f"{file_path}: truncated or corrupt GGUF file ({exc})") from exc
+    if reader.byte_order != "I":
+        raise ModelFormatError(f"{file_path}: big-endian GGUF files are not supported")
     _check_tensor_extents(reader, file_path)
     return reader
 
@@ -146,7 +150,7 @@ class _Keys:
                                        "is not supported")
             value = value[0]
         if value is None:
-            raise ModelFormatError(f"{self.source}: missing GGUF metadata key {self.arch}.{key!r}")
+            raise ModelFormatError(f"{self.source}: missing GGUF metadata key '{self.arch}.{key}'")
         return int(value)
 
 
@@ -202,7 +206,7 @@ def config_from_gguf(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], *
     if arch is None:
         raise ModelFormatError(f"{source}: unknown architecture general.architecture={gguf_arch!r}; "
                                f"supported: {sorted(GGUF_ARCHS)}")
-    keys = _Keys(meta, gguf_arch, source)
+    keys = _Keys(meta, str(gguf_arch), source)
     hidden, heads = keys.integer("embedding_length"), keys.integer("attention.head_count")
     head_dim = keys.integer("attention.key_length", hidden // heads)
     rotary = keys.integer("rope.dimension_count", head_dim)
@@ -280,7 +284,7 @@ class _TensorTable:
 
 def _attention(table: _TensorTable, cfg: ModelConfig, p: str, permuted: bool) -> dict[str, Any]:
     H, hd = cfg.hidden_size, cfg.head_dim
-    out = {
+    out: dict[str, Any] = {
         "q": table.linear(p + "attn_q.weight", (cfg.q_size, H)),
         "k": table.linear(p + "attn_k.weight", (cfg.kv_size, H)),
         "v": table.linear(p + "attn_v.weight", (cfg.kv_size, H)),
@@ -301,7 +305,7 @@ def _attention(table: _TensorTable, cfg: ModelConfig, p: str, permuted: bool) ->
     return out
 
 
-def _mlp(table: _TensorTable, cfg: ModelConfig, layer: int, p: str) -> dict[str, Linear]:
+def _mlp(table: _TensorTable, cfg: ModelConfig, layer: int, p: str) -> dict[str, Any]:
     H = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
         I = cfg.intermediate_size  # noqa: E741 (the spec's name)
@@ -353,7 +357,7 @@ def load_gguf_weights(path: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
     config = config_from_gguf(meta, shapes, source=source)
-    permuted = meta.get("general.architecture") == "llama"
+    permuted = False
     weights = _model(_TensorTable(tensors, source), config, permuted)
     info = {
         "format": "gguf",

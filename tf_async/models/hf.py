@@ -363,5 +363,5 @@ def load_hf_folder(path: str | os.PathLike) -> Checkpoint:
     config, weights, meta = load_hf_weights(path)
     from .tokenizer import Tokenizer  # lazy: the tokenizer module is heavier and optional here
 
-    tokenizer = Tokenizer.from_hf_folder(path)
+    tokenizer = Tokenizer.from_hf_folder(Path(path))
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), meta=meta)

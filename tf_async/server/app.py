@@ -224,9 +224,13 @@ class Server:
         if (req.prompt is None) == (req.messages is None):
             raise BadInputError("give exactly one of `prompt` and `messages`", param="prompt")
         tokenizer = self.engine.tokenizer
-        text = req.prompt if req.prompt is not None else tokenizer.apply_chat_template(
-            message_dicts(req.messages or []), add_generation_prompt=req.add_generation_prompt)
-        tokens = list(tokenizer.encode(text))
+        if req.prompt is not None:  # the ids a completion of this prompt would start from
+            tokens = list(tokenizer.encode(req.prompt,
+                                           add_special_tokens=getattr(tokenizer, "add_bos", False)))
+        else:
+            text = tokenizer.apply_chat_template(message_dicts(req.messages or []),
+                                                 add_generation_prompt=req.add_generation_prompt)
+            tokens = list(tokenizer.encode(text))
         return json_response({"tokens": tokens, "count": len(tokens),
                               "max_model_len": int(self.engine.ctx)})
 

@@ -1,0 +1,117 @@
+"""Launch geometry of every kernel: the one place that picks grids and blocks. Callers pass
+arrays that are already checked (dtype, layout, bounds) and device-resident (or NumPy
+arrays under the simulator), plus a Numba stream (None = the default stream).
+
+FEW_ROWS_MAX decides between the matmul's few-rows and many-rows paths; the two give
+bit-identical rows (same reduction order), so the choice never changes a token.
+"""
+
+from __future__ import annotations
+
+from cuda_kernels import attention as _attn
+from cuda_kernels import kv as _kv
+from cuda_kernels import matmul as _mm
+from cuda_kernels import moe as _moe
+from cuda_kernels import norm as _norm
+from cuda_kernels import sampling as _smp
+
+FEW_ROWS_MAX = 4
+_MAX_GRID_1D = 65535 * 64
+KV_KINDS = {"float32": "f32", "uint16": "bf16", "uint8": "fp8"}
+
+
+def _go(kernel, grid, block, stream, *args) -> None:  # noqa: ANN001
+    if stream is None:
+        kernel[grid, block](*args)
+    else:
+        kernel[grid, block, stream](*args)
+
+
+def _grid_1d(total: int, threads: int) -> int:
+    return max(1, min((total + threads - 1) // threads, _MAX_GRID_1D))
+
+
+def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False) -> None:  # noqa: ANN001, E501
+    """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
+    grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
+    placeholder int32 array). path: 'few', 'many' or None (by row count)."""
+    rows, out_features = out.shape
+    if path is None:
+        path = "few" if rows <= FEW_ROWS_MAX or grouped else "many"
+    rows_tile = 1 if path == "few" else _mm.MANY_ROWS_TILE
+    kernel = _mm.matmul_kernel(kind, rows_tile, grouped)
+    grid, block = _mm.launch_shape(rows, out_features, rows_tile)
+    _go(kernel, grid, block, stream, x, w, scales, biases, group_size, expert_ids, out)
+
+
+def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None) -> None:  # noqa: ANN001
+    _go(_mm.embed_affine, (out.shape[0],), 128, stream, codes, scales, biases, bits, group_size, ids, out)
+
+
+def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None) -> None:  # noqa: ANN001, E501
+    """Paged causal GQA attention; the KV dtype picks the kernel."""
+    rows, num_heads, head_dim = q.shape
+    kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim)
+    heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
+    grid = (rows, num_heads // heads_blk)
+    args = (q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale)
+    _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, heads_blk, out)
+
+
+def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # noqa: ANN001
+    kernel = {"f32": _kv.kv_write_f32, "bf16": _kv.kv_write_bf16, "fp8": _kv.kv_write_fp8}[
+        KV_KINDS[str(kv_layer.dtype)]
+    ]
+    _go(kernel, (k.shape[0], 2), _kv.KV_THREADS, stream, k, v, kv_layer, slots, k_scale, v_scale)
+
+
+def zero_pages(kv_flat, page_ids, page_size, stream=None) -> None:  # noqa: ANN001
+    """kv_flat: the arena viewed as [num_layers * 2, num_slots, nkv * hd]."""
+    grid = (page_ids.shape[0], kv_flat.shape[0])
+    _go(_kv.zero_pages, grid, _kv.KV_THREADS, stream, kv_flat, page_ids, page_size)
+
+
+def ring_write(src, ring, ring_ids, positions, stream=None) -> None:  # noqa: ANN001
+    _go(_kv.ring_write, (src.shape[0],), _kv.KV_THREADS, stream, src, ring, ring_ids, positions)
+
+
+def ring_read(ring, ring_ids, positions, out, stream=None) -> None:  # noqa: ANN001
+    _go(_kv.ring_read, (out.shape[0],), _kv.KV_THREADS, stream, ring, ring_ids, positions, out)
+
+
+def copy_rows(src, src_rows, dst, dst_rows, stream=None) -> None:  # noqa: ANN001
+    _go(_kv.copy_rows, (src_rows.shape[0],), _kv.KV_THREADS, stream, src, src_rows, dst, dst_rows)
+
+
+def rms_norm(x, w, eps, out, stream=None) -> None:  # noqa: ANN001
+    _go(_norm.rms_norm, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
+
+
+def rope(x, positions, inv_freq, mscale, stream=None) -> None:  # noqa: ANN001
+    total = x.shape[0] * x.shape[1] * inv_freq.shape[0]
+    threads = _norm.ELEMWISE_THREADS
+    _go(_norm.rope, _grid_1d(total, threads), threads, stream, x, positions, inv_freq, mscale)
+
+
+def silu_mul(gate, up, out, stream=None) -> None:  # noqa: ANN001
+    threads = _norm.ELEMWISE_THREADS
+    _go(_norm.silu_mul, _grid_1d(gate.size, threads), threads, stream, gate, up, out)
+
+
+def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights, stream=None) -> None:  # noqa: ANN001
+    threads = _moe.ROUTE_THREADS
+    grid = _grid_1d(logits.shape[0], threads)
+    _go(_moe.moe_route, grid, threads, stream, logits, top_k, norm_topk_prob, out_ids, out_weights)
+
+
+def moe_combine(expert_out, weights, out, stream=None) -> None:  # noqa: ANN001
+    _go(_moe.moe_combine, (out.shape[0],), _moe.COMBINE_THREADS, stream, expert_out, weights, out)
+
+
+def argmax(logits, out, stream=None) -> None:  # noqa: ANN001
+    _go(_smp.argmax, (logits.shape[0],), _smp.SAMPLE_THREADS, stream, logits, out)
+
+
+def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out, stream=None) -> None:  # noqa: ANN001
+    args = (logits, temperatures, top_ks, top_ps, seeds, positions, out)
+    _go(_smp.sample, (logits.shape[0],), _smp.SAMPLE_THREADS, stream, *args)

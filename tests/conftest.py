@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny checkpoints written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import random_hf_weights, tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_hf import write_hf
+
+    cfg = tiny_config("llama")
+    return write_hf(tmp_path_factory.mktemp("tiny_llama"), cfg, random_hf_weights(cfg, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir: Path):
+    from tf_async.models.loader import load_checkpoint
+
+    return load_checkpoint(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    from tf_async.models.default import default_model_path
+    from tf_async.models.loader import load_checkpoint
+
+    return load_checkpoint(default_model_path())

@@ -1,0 +1,401 @@
+"""Checks of every CUDA kernel against float64 NumPy references (and the CPU twins when
+tf_async/backend/cpu/kernels.py exists).
+
+Run under Numba's CUDA simulator: `NUMBA_ENABLE_CUDASIM=1 python tests/cuda_sim_check.py
+[names...]` (the variable must be set before numba.cuda is imported, hence a separate
+process; tests/test_cuda_sim.py does that). tests/test_gpu_kernels.py reuses the
+references at real sizes on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+# ---------------------------------------------------------------- references (float64)
+
+
+def bf16_bits_ref(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    nan = np.isnan(x)
+    rounded[nan] = ((u[nan] >> 16) | 0x40) & 0xFFFF
+    return rounded.astype(np.uint16)
+
+
+def bf16_value_ref(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def e4m3_table() -> np.ndarray:
+    """Float value of each of the 256 E4M3FN codes (NaN for 0x7F, 0xFF)."""
+    codes = np.arange(256)
+    exp = (codes >> 3) & 15
+    mant = (codes & 7).astype(np.float64)
+    val = np.where(exp == 0, mant / 512.0, (1.0 + mant / 8.0) * 2.0 ** (exp - 7.0))
+    val = np.where(codes & 0x80, -val, val)
+    val[(exp == 15) & ((codes & 7) == 7)] = np.nan
+    return val
+
+
+def e4m3_ref(y: np.ndarray) -> np.ndarray:
+    """Nearest E4M3FN code, ties to the even code, saturating to +-448, NaN -> 0x7F."""
+    table = e4m3_table()
+    pos = np.arange(0x7F)  # non-negative finite codes 0..0x7E, increasing in value
+    a = np.minimum(np.abs(y.astype(np.float64)), 448.0)
+    idx = np.clip(np.searchsorted(table[pos], a), 1, 0x7E)
+    lo, hi = table[idx - 1], table[idx]
+    pick_hi = (a - lo > hi - a) | ((a - lo == hi - a) & (idx % 2 == 0))
+    code = np.where(pick_hi, idx, idx - 1)
+    code = np.where(a <= 0, 0, code)
+    code = np.where(np.signbit(y), code | 0x80, code)
+    return np.where(np.isnan(y), 0x7F, code).astype(np.uint8)
+
+
+def kv_values_ref(kv_layer: np.ndarray, scales: tuple[float, float]) -> np.ndarray:
+    """[2, slots, nkv, hd] of any KV dtype -> float64 values."""
+    if kv_layer.dtype == np.float32:
+        return kv_layer.astype(np.float64)
+    if kv_layer.dtype == np.uint16:
+        return bf16_value_ref(kv_layer).astype(np.float64)
+    vals = e4m3_table()[kv_layer]
+    return vals * np.array(scales, dtype=np.float64)[:, None, None, None]
+
+
+def attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN201
+    vals = kv_values_ref(kv_layer, scales)
+    rows, num_heads, head_dim = q.shape
+    group = num_heads // kv_layer.shape[2]
+    out = np.zeros((rows, num_heads, head_dim))
+    for r in range(rows):
+        pos = np.arange(row_pos[r] + 1)
+        slots = block_table[row_seq[r], pos // page_size].astype(np.int64) * page_size + pos % page_size
+        for h in range(num_heads):
+            keys = vals[0, slots, h // group]
+            s = keys @ q[r, h].astype(np.float64) * sm_scale
+            p = np.exp(s - s.max())
+            out[r, h] = (p / p.sum()) @ vals[1, slots, h // group]
+    return out
+
+
+def rms_norm_ref(x, w, eps):  # noqa: ANN001, ANN201
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w
+
+
+def rope_ref(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
+    out = x.astype(np.float64).copy()
+    half = inv_freq.shape[0]
+    ang = positions[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)
+    cos, sin = (np.cos(ang) * mscale)[:, None, :], (np.sin(ang) * mscale)[:, None, :]
+    x1, x2 = out[..., :half].copy(), out[..., half : 2 * half].copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
+    return out
+
+
+def silu_mul_ref(gate, up):  # noqa: ANN001, ANN201
+    g = gate.astype(np.float64)
+    return g / (1.0 + np.exp(-g)) * up
+
+
+def moe_route_ref(logits, top_k, norm):  # noqa: ANN001, ANN201
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(p, ids, -1)
+    if norm:
+        w = w / w.sum(-1, keepdims=True)
+    return ids.astype(np.int32), w
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def affine_weight(rng: np.random.Generator, experts: int, out_f: int, in_f: int, bits: int, gs: int):  # noqa: ANN201
+    """Random packed codes and scales: (codes, scales, biases, dequantized float64)."""
+    per_word = 32 // bits
+    q = rng.integers(0, 1 << bits, size=(experts, out_f, in_f), dtype=np.uint32)
+    words = q.reshape(experts, out_f, in_f // per_word, per_word)
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
+    codes = np.bitwise_or.reduce(words << shifts, axis=-1).astype(np.uint32)
+    scales = rng.uniform(0.001, 0.02, size=(experts, out_f, in_f // gs)).astype(np.float32)
+    biases = rng.uniform(-0.1, 0.1, size=(experts, out_f, in_f // gs)).astype(np.float32)
+    deq = q.astype(np.float64) * np.repeat(scales, gs, -1) + np.repeat(biases, gs, -1)
+    return codes, scales, biases, deq
+
+
+def paged_setup(rng: np.random.Generator, seqs: int, max_pages: int, page_size: int, nkv: int, hd: int):  # noqa: ANN201
+    """A shuffled page table over a pool with spare pages, and random f32 K/V in it."""
+    num_pages = seqs * max_pages + 2
+    perm = rng.permutation(num_pages)[: seqs * max_pages]
+    block_table = perm.reshape(seqs, max_pages).astype(np.int32)
+    kv = rng.standard_normal((2, num_pages * page_size, nkv, hd)).astype(np.float32)
+    return block_table, kv
+
+
+def to_kv_dtype(kv: np.ndarray, kind: str, scales: tuple[float, float]) -> np.ndarray:
+    if kind == "f32":
+        return kv.copy()
+    if kind == "bf16":
+        return bf16_bits_ref(kv)
+    return np.stack([e4m3_ref(kv[0] / scales[0]), e4m3_ref(kv[1] / scales[1])])
+
+
+# ---------------------------------------------------------------- simulator checks
+
+
+def check_matmul(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    rows, in_f, out_f = 5, 512, 9
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    for kind, bits in (("q4", 4), ("q8", 8)):
+        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, bits, 64)
+        results = {}
+        for path in ("few", "many"):
+            out = np.full((rows, out_f), np.nan, np.float32)
+            placeholder = np.zeros(1, np.int32)
+            launch.matmul(kind, x, codes, scales, biases, 64, placeholder, out, path=path)
+            results[path] = out
+            assert rel_err(out, x @ deq[0].T) < 1e-5, (kind, path)
+        assert np.array_equal(results["few"], results["many"]), kind
+    _check_dense_matmul(rng, x, out_f)
+
+
+def _check_dense_matmul(rng: np.random.Generator, x: np.ndarray, out_f: int) -> None:
+    from cuda_kernels import launch
+
+    w = rng.standard_normal((1, out_f, x.shape[1])).astype(np.float32)
+    dummy = np.zeros((1, 1, 1), np.float32)
+    out = np.full((x.shape[0], out_f), np.nan, np.float32)
+    launch.matmul("f32", x, w, dummy, dummy, 1 << 30, np.zeros(1, np.int32), out)
+    assert rel_err(out, x @ w[0].T.astype(np.float64)) < 1e-5
+    wb = bf16_bits_ref(w)
+    out = np.full((x.shape[0], out_f), np.nan, np.float32)
+    launch.matmul("bf16", x, wb.view(np.uint32), dummy, dummy, 1 << 30, np.zeros(1, np.int32), out)
+    assert rel_err(out, x @ bf16_value_ref(wb[0]).T.astype(np.float64)) < 1e-5
+
+
+def check_grouped_matmul(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    rows, in_f, out_f, experts = 4, 256, 8, 3
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    codes, scales, biases, deq = affine_weight(rng, experts, out_f, in_f, 4, 32)
+    ids = np.array([2, 0, 2, 1], np.int32)
+    out = np.full((rows, out_f), np.nan, np.float32)
+    launch.matmul("q4", x, codes, scales, biases, 32, ids, out, grouped=True)
+    ref = np.stack([deq[ids[r]] @ x[r].astype(np.float64) for r in range(rows)])
+    assert rel_err(out, ref) < 1e-5
+    single = np.full((1, out_f), np.nan, np.float32)
+    launch.matmul("q4", x[1:2], codes[:1], scales[:1], biases[:1], 32, ids, single, path="few")
+    assert np.array_equal(single[0], out[1]), "grouped row differs from the plain few-rows row"
+
+
+def check_embed(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    codes, scales, biases, deq = affine_weight(rng, 1, 12, 64, 4, 32)
+    ids = np.array([3, 11, 0], np.int64)
+    out = np.full((3, 64), np.nan, np.float32)
+    launch.embed_affine(codes[0], scales[0], biases[0], 4, 32, ids, out)
+    assert rel_err(out, deq[0][ids]) < 1e-6
+
+
+def check_attention(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    page_size, nkv, hd, nh = 4, 2, 16, 4
+    block_table, kv_f32 = paged_setup(rng, seqs=2, max_pages=10, page_size=page_size, nkv=nkv, hd=hd)
+    row_seq = np.array([0, 1, 1, 0], np.int32)
+    row_pos = np.array([0, 37, 38, 21], np.int64)
+    q = rng.standard_normal((4, nh, hd)).astype(np.float32)
+    scales = (0.02, 0.03)
+    for kind, bound in (("f32", 1e-5), ("bf16", 1e-5), ("fp8", 1e-5)):
+        kv_layer = to_kv_dtype(kv_f32 * 4.0, kind, scales)
+        out = np.full(q.shape, np.nan, np.float32)
+        args = (np.float32(scales[0]), np.float32(scales[1]), block_table, row_seq, row_pos, page_size)
+        launch.attention(q, kv_layer, *args, np.float32(0.25), out)
+        ref = attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, 0.25)
+        assert rel_err(out, ref) < bound, (kind, rel_err(out, ref))
+        solo = np.full((1, nh, hd), np.nan, np.float32)
+        launch.attention(q[2:3], kv_layer, *args[:3], row_seq[2:3], row_pos[2:3], page_size, np.float32(0.25), solo)
+        assert np.array_equal(solo[0], out[2]), "attention row depends on the batch"
+
+
+def check_attention_wide_heads(rng: np.random.Generator) -> None:
+    """head_dim 256 (16-key tiles) and a GQA group of 16 (two blocks per KV head)."""
+    from cuda_kernels import launch
+
+    page_size, nkv, hd, nh = 8, 1, 160, 16
+    block_table, kv_f32 = paged_setup(rng, seqs=1, max_pages=3, page_size=page_size, nkv=nkv, hd=hd)
+    row_seq = np.array([0], np.int32)
+    row_pos = np.array([19], np.int64)
+    q = rng.standard_normal((1, nh, hd)).astype(np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    launch.attention(q, kv_f32, np.float32(1), np.float32(1), block_table, row_seq, row_pos, page_size, np.float32(0.1), out)
+    ref = attention_ref(q, kv_f32, (1.0, 1.0), block_table, row_seq, row_pos, page_size, 0.1)
+    assert rel_err(out, ref) < 1e-5
+
+
+def check_kv_write(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    rows, nkv, hd, slots_total = 3, 2, 8, 20
+    k = (rng.standard_normal((rows, nkv, hd)) * 50).astype(np.float32)
+    v = (rng.standard_normal((rows, nkv, hd)) * 50).astype(np.float32)
+    k[0, 0, :4] = [np.nan, 1e6, -0.0, 1e-9]
+    slots = np.array([7, 0, 19], np.int64)
+    scales = (0.5, 0.25)
+    for kind, dtype in (("f32", np.float32), ("bf16", np.uint16), ("fp8", np.uint8)):
+        kv_layer = np.zeros((2, slots_total, nkv, hd), dtype)
+        launch.kv_write(k, v, kv_layer, slots, np.float32(scales[0]), np.float32(scales[1]))
+        want = np.zeros_like(kv_layer)
+        want[:, slots] = to_kv_dtype(np.stack([k, v]), kind, scales)
+        same = (want == kv_layer) | (kv_layer != kv_layer)  # NaN stays NaN in f32
+        assert same.all(), kind
+
+
+def check_e4m3_exhaustive(rng: np.random.Generator) -> None:
+    """Every code's midpoints and neighbours round like the reference."""
+    from cuda_kernels import launch
+
+    table = e4m3_table()
+    finite = np.sort(table[np.isfinite(table) & (table >= 0)])
+    mids = (finite[1:] + finite[:-1]) / 2
+    probe = np.concatenate([finite, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9), [500.0, 1e30]])
+    probe = np.concatenate([probe, -probe]).astype(np.float32)
+    k = probe.reshape(-1, 1, 1)
+    kv_layer = np.zeros((2, probe.size, 1, 1), np.uint8)
+    launch.kv_write(k, k, kv_layer, np.arange(probe.size, dtype=np.int64), np.float32(1), np.float32(1))
+    assert np.array_equal(kv_layer[0, :, 0, 0], e4m3_ref(probe))
+
+
+def check_zero_and_rings(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    kv = rng.integers(1, 200, size=(2, 2, 6 * 4, 2, 4)).astype(np.uint8)
+    before = kv.copy()
+    launch.zero_pages(kv.reshape(4, 24, 8), np.array([1, 4], np.int32), 4)
+    want = before.copy()
+    want[:, :, 4:8] = 0
+    want[:, :, 16:20] = 0
+    assert np.array_equal(kv, want)
+    src = rng.standard_normal((3, 5)).astype(np.float32)
+    ring = np.zeros((2, 4, 5), np.float32)
+    launch.ring_write(src, ring, np.array([1, 0, 1], np.int32), np.array([9, 2, 6], np.int64))
+    assert np.array_equal(ring[1, 1], src[0]) and np.array_equal(ring[0, 2], src[1])
+    assert np.array_equal(ring[1, 2], src[2])
+    out = np.full((2, 5), np.nan, np.float32)
+    launch.ring_read(ring, np.array([1, 0], np.int32), np.array([13, 6], np.int64), out)
+    assert np.array_equal(out, np.stack([src[0], src[1]]))
+    dst = np.zeros((4, 5), np.float32)
+    launch.copy_rows(src, np.array([2, 0], np.int64), dst, np.array([3, 1], np.int64))
+    assert np.array_equal(dst[3], src[2]) and np.array_equal(dst[1], src[0]) and not dst[0].any()
+
+
+def check_norm_rope_silu(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    w = rng.standard_normal(200).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    launch.rms_norm(x, w, np.float32(1e-6), out)
+    assert rel_err(out, rms_norm_ref(x, w, 1e-6)) < 1e-6
+    q = rng.standard_normal((3, 2, 12)).astype(np.float32)
+    pos = np.array([0, 5, 70000], np.int64)
+    inv_freq = (10000.0 ** (-np.arange(0, 8, 2) / 8)).astype(np.float32)
+    want = rope_ref(q, pos, inv_freq, 1.1)
+    launch.rope(q, pos, inv_freq, 1.1)
+    assert rel_err(q, want) < 1e-6
+    gate, up = rng.standard_normal((2, 2, 33)).astype(np.float32)
+    out = np.full_like(gate, np.nan)
+    launch.silu_mul(gate, up, out)
+    assert rel_err(out, silu_mul_ref(gate, up)) < 1e-6
+
+
+def check_moe(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    logits = rng.standard_normal((5, 8)).astype(np.float32)
+    logits[1, [2, 5]] = 3.0  # an exact tie: the lower id first
+    for norm in (False, True):
+        ids = np.full((5, 3), -1, np.int32)
+        weights = np.full((5, 3), np.nan, np.float32)
+        launch.moe_route(logits, 3, norm, ids, weights)
+        want_ids, want_w = moe_route_ref(logits, 3, norm)
+        assert np.array_equal(ids, want_ids) and rel_err(weights, want_w) < 1e-6
+    y = rng.standard_normal((15, 6)).astype(np.float32)
+    out = np.full((5, 6), np.nan, np.float32)
+    launch.moe_combine(y, weights, out)
+    ref = np.einsum("rj,rjh->rh", weights.astype(np.float64), y.reshape(5, 3, 6).astype(np.float64))
+    assert rel_err(out, ref) < 1e-6
+
+
+def check_sampling(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch, sampling
+
+    rows, vocab = 3, 300
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 3
+    logits[1, 17] = logits[1, 250] = 40.0  # tie: lowest id wins
+    out = np.full(rows, -1, np.int64)
+    launch.argmax(logits, out)
+    assert np.array_equal(out, [np.argmax(logits[0]), 17, np.argmax(logits[2])])
+    temps = np.array([0.0, 1.0, 0.7], np.float32)
+    top_ks = np.array([0, 1, 5], np.int32)
+    top_ps = np.array([1.0, 1.0, 0.9], np.float32)
+    seeds = np.array([1, 2, 3], np.uint64)
+    positions = np.array([4, 5, 6], np.int64)
+    launch.sample(logits, temps, top_ks, top_ps, seeds, positions, out)
+    assert out[0] == np.argmax(logits[0]) and out[1] == 17
+    assert out[2] == _sample_ref(logits[2], 0.7, 5, 0.9, sampling.uniform_host(3, 6))
+
+
+def _sample_ref(logits: np.ndarray, temp: float, top_k: int, top_p: float, u: float) -> int:
+    z = logits.astype(np.float64) / temp
+    order = np.argsort(-z, kind="stable")[:top_k]
+    p = np.exp(z[order] - z[order[0]])
+    keep = np.searchsorted(np.cumsum(p) / p.sum(), top_p) + 1
+    kept = order[:keep]
+    # the kernel draws in thread-major order (thread t owns ids t, t+256, ...)
+    kept = kept[np.lexsort((kept, kept % 256))]
+    pk = np.exp(z[kept] - z.max())
+    return int(kept[np.searchsorted(np.cumsum(pk), u * pk.sum(), side="right")])
+
+
+CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
+    "matmul": check_matmul,
+    "grouped_matmul": check_grouped_matmul,
+    "embed": check_embed,
+    "attention": check_attention,
+    "attention_wide_heads": check_attention_wide_heads,
+    "kv_write": check_kv_write,
+    "e4m3_exhaustive": check_e4m3_exhaustive,
+    "zero_and_rings": check_zero_and_rings,
+    "norm_rope_silu": check_norm_rope_silu,
+    "moe": check_moe,
+    "sampling": check_sampling,
+}
+
+
+def main(names: list[str]) -> int:
+    rng = np.random.default_rng(int(time.time()))
+    for name in names or list(CHECKS):
+        start = time.perf_counter()
+        CHECKS[name](rng)
+        print(f"ok {name} {time.perf_counter() - start:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

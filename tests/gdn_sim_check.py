@@ -1,0 +1,110 @@
+"""CUDA twins of the GDN kernels (cuda_kernels/gdn.py) in Numba's CUDA simulator, at tiny
+sizes: each twin against its CPU kernel (tolerance 1e-5: the simulator evaluates some
+math in float64), and within the CUDA kernels the bit-identities the gates need (split ==
+whole, batch of streams == each stream alone, conv step == rows).
+
+Run as `python -m tests.gdn_sim_check` from the repository root (tests/test_gdn_kernels.py
+does, in a subprocess): the simulator must be enabled before numba is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+
+from cuda_kernels import gdn as cuda_gdn  # noqa: E402
+from tests.test_gdn_kernels import conv_inputs, delta_inputs, run_delta  # noqa: E402
+from tf_async.backend.cpu import gdn as cpu_gdn  # noqa: E402
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def check_delta() -> None:
+    inp = delta_inputs(np.random.default_rng(11), 5, 2, 4, 8, 8)
+    cuda_out, cuda_state = run_delta(cuda_gdn.gated_delta_rule, inp)
+    cpu_out, cpu_state = run_delta(cpu_gdn.gated_delta_rule, inp)
+    np.testing.assert_allclose(cuda_out, cpu_out, **TOL)
+    np.testing.assert_allclose(cuda_state, cpu_state, **TOL)
+    state = inp["state"].copy()
+    head, _ = run_delta(cuda_gdn.gated_delta_rule_column_parallel, inp, slice(0, 2), state)
+    tail, _ = run_delta(cuda_gdn.gated_delta_rule_column_parallel, inp, slice(2, None), state)
+    assert np.array_equal(np.concatenate([head, tail]), cuda_out), "split != whole"
+    assert np.array_equal(state, cuda_state), "split state != whole state"
+
+
+def check_delta_batch() -> None:
+    rng = np.random.default_rng(12)
+    lengths, slots = [3, 1, 2], [2, 0, 1]
+    streams = [delta_inputs(rng, n, 1, 2, 8, 4) for n in lengths]
+    states = np.zeros((3, 2, 8, 4), np.float32)
+    for inp, slot in zip(streams, slots, strict=True):
+        states[slot] = inp["state"]
+    cat = {n: np.concatenate([s[n] for s in streams]) for n in ("q", "k", "v", "g", "beta")}
+    out = np.full(cat["v"].shape, np.nan, np.float32)
+    cuda_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], states,
+                                    np.repeat(np.array(slots, np.int32), lengths), out)
+    offsets = np.cumsum([0, *lengths])
+    for i, inp in enumerate(streams):
+        solo_out, solo_state = run_delta(cuda_gdn.gated_delta_rule, inp)
+        assert np.array_equal(out[offsets[i]:offsets[i + 1]], solo_out), "batch != solo"
+        assert np.array_equal(states[slots[i]], solo_state), "batch state != solo state"
+
+
+def check_conv() -> None:
+    inp = conv_inputs(np.random.default_rng(13), 4, 20, 4)
+    results = {}
+    for name, mod in (("cuda", cuda_gdn), ("cpu", cpu_gdn)):
+        state, out = inp["state"].copy(), np.full(inp["x"].shape, np.nan, np.float32)
+        mod.causal_conv1d_rows(inp["x"], state, inp["weight"], out)
+        results[name] = (out, state)
+    np.testing.assert_allclose(results["cuda"][0], results["cpu"][0], **TOL)
+    assert np.array_equal(results["cuda"][1], results["cpu"][1])
+    state, steps = inp["state"].copy(), np.empty_like(inp["x"])
+    for t in range(4):
+        cuda_gdn.causal_conv1d_step(inp["x"][t], state, inp["weight"], steps[t])
+    assert np.array_equal(steps, results["cuda"][0]), "conv step != rows"
+    states, out = np.stack([np.zeros_like(inp["state"]), inp["state"]]), np.empty((5, 20), np.float32)
+    x = np.concatenate([inp["x"][:1], inp["x"]])
+    cuda_gdn.causal_conv1d_batch(x, states, inp["weight"], np.array([0, 1, 1, 1, 1], np.int32), out)
+    assert np.array_equal(out[1:], results["cuda"][0]), "conv batch != rows"
+
+
+def _both(name: str, *args: np.ndarray | float | int, outs: list[np.ndarray]) -> None:
+    """Run CUDA and CPU kernel `name` on copies of `outs`; compare every output."""
+    cpu_outs = [o.copy() for o in outs]
+    getattr(cuda_gdn, name)(*args, *outs)
+    getattr(cpu_gdn, name)(*args, *cpu_outs)
+    for got, want in zip(outs, cpu_outs, strict=True):
+        np.testing.assert_allclose(got, want, **TOL, err_msg=name)
+
+
+def check_small_kernels() -> None:
+    rng = np.random.default_rng(14)
+    f32 = np.float32
+    a, b = (rng.standard_normal((3, 4)).astype(f32) * 4 for _ in range(2))
+    _both("gdn_gates", a, b, rng.standard_normal(4).astype(f32), rng.standard_normal(4).astype(f32),
+          outs=[np.empty_like(a), np.empty_like(b)])
+    mixed = rng.standard_normal((3, 2 * 2 * 8 + 4 * 8)).astype(f32)
+    _both("gdn_qk_l2norm", mixed, 2, 8, 1e-6, 8 ** -0.5,
+          outs=[np.empty((3, 2, 8), f32), np.empty((3, 2, 8), f32)])
+    x, z = (rng.standard_normal((3, 4, 8)).astype(f32) for _ in range(2))
+    _both("gated_rms_norm", x, z, rng.standard_normal(8).astype(f32), 1e-6, outs=[np.empty_like(x)])
+    qg = rng.standard_normal((3, 2 * 2 * 4)).astype(f32)
+    _both("split_query_gate", qg, 2, 4, outs=[np.empty((3, 2, 4), f32), np.empty((3, 8), f32)])
+    attn, gate = (rng.standard_normal((3, 8)).astype(f32) for _ in range(2))
+    _both("sigmoid_gate_mul", attn, gate, outs=[np.empty_like(attn)])
+
+
+def main() -> None:
+    check_delta()
+    check_delta_batch()
+    check_conv()
+    check_small_kernels()
+    print("gdn simulator checks passed")
+
+
+if __name__ == "__main__":
+    main()

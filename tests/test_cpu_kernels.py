@@ -1,0 +1,390 @@
+"""CPU kernels and CpuOps: values vs float64 NumPy references, bit-exact batch invariance,
+paged == contiguous KV, KV dtype conversions, and argument validation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tf_async.backend.cpu import kernels
+from tf_async.backend.cpu.ops import CpuOps
+from tf_async.models.weights import AffineWeight, DenseWeight, quantize_affine
+
+OPS = CpuOps()
+
+
+def rng_for(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_batch_invariant(run: Callable[[np.ndarray], np.ndarray], rows: int, seed: int = 0) -> None:
+    """run(row_indices) -> outputs of those rows, in that order. Every row must be
+    bit-identical alone, in the full batch and in a shuffled batch."""
+    full = run(np.arange(rows))
+    order = rng_for(seed).permutation(rows)
+    shuffled = run(order)
+    for position, r in enumerate(order):
+        assert np.array_equal(shuffled[position], full[r], equal_nan=True), f"row {r} shuffled"
+    for r in range(rows):
+        assert np.array_equal(run(np.array([r]))[0], full[r], equal_nan=True), f"row {r} alone"
+    pair = np.array([rows - 1, 0])
+    assert np.array_equal(run(pair), full[pair], equal_nan=True)
+
+
+# --------------------------------------------------------------------------- matmuls
+AFFINE_CASES = [(4, 32), (4, 64), (4, 16), (8, 32), (8, 64), (8, 8)]  # fast and generic paths
+
+
+@pytest.mark.parametrize(("bits", "group_size"), AFFINE_CASES)
+def test_matmul_affine_matches_reference(bits: int, group_size: int) -> None:
+    rng = rng_for(bits * 100 + group_size)
+    w = quantize_affine(randn(rng, 37, 192), bits, group_size)
+    x = randn(rng, 5, 192)
+    out = OPS.linear(x, w)
+    ref = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
+
+
+def test_matmul_dense_and_bias_match_reference() -> None:
+    rng = rng_for(1)
+    w, bias, x = randn(rng, 33, 70), randn(rng, 33), randn(rng, 2, 3, 70)
+    out = OPS.linear(x, DenseWeight(w), bias)
+    assert out.shape == (2, 3, 33)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [*AFFINE_CASES, (0, 0)])
+def test_matmuls_are_batch_invariant(bits: int, group_size: int) -> None:
+    rng = rng_for(7 + bits)
+    dense = randn(rng, 70, 256)
+    w = DenseWeight(dense) if bits == 0 else quantize_affine(dense, bits, group_size)
+    x = randn(rng, 11, 256)
+    assert_batch_invariant(lambda rows: OPS.linear(x[rows], w), 11)
+
+
+def test_embed_dense_and_affine() -> None:
+    rng = rng_for(2)
+    table = randn(rng, 50, 64)
+    ids = np.array([3, 0, 49, 3], np.int64)
+    assert np.array_equal(OPS.embed(DenseWeight(table), ids), table[ids])
+    for bits in (4, 8):
+        w = quantize_affine(table, bits, 32)
+        np.testing.assert_allclose(OPS.embed(w, ids), w.dequantize()[ids], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- row-wise ops
+def test_rms_norm_any_rank_and_batch_invariant() -> None:
+    rng = rng_for(3)
+    x, w = randn(rng, 2, 5, 96), randn(rng, 96)
+    out = OPS.rms_norm(x, w, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * w
+    assert out.shape == x.shape
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6)
+    flat = x.reshape(10, 96)
+    assert_batch_invariant(lambda rows: OPS.rms_norm(flat[rows], w, 1e-6), 10)
+
+
+def rope_reference(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+                   mscale: float) -> np.ndarray:
+    half = inv_freq.shape[0]
+    angle = positions[:, None].astype(np.float64) * inv_freq.astype(np.float64)[None, :]
+    cos, sin = (np.cos(angle) * mscale)[:, None, :], (np.sin(angle) * mscale)[:, None, :]
+    out = x.astype(np.float64).copy()
+    a, b = out[..., :half].copy(), out[..., half:2 * half].copy()
+    out[..., :half] = a * cos - b * sin
+    out[..., half:2 * half] = b * cos + a * sin
+    return out
+
+
+@pytest.mark.parametrize(("rot", "mscale"), [(32, 1.0), (16, 1.25)])
+def test_rope_matches_reference_and_keeps_tail(rot: int, mscale: float) -> None:
+    rng = rng_for(rot)
+    x = randn(rng, 6, 3, 32)
+    positions = np.array([0, 1, 7, 100, 4095, 3], np.int64)
+    inv_freq = (10000.0 ** (-np.arange(0, rot, 2) / rot)).astype(np.float32)
+    y = x.copy()
+    OPS.rope(y, positions, inv_freq, mscale)
+    np.testing.assert_allclose(y, rope_reference(x, positions, inv_freq, mscale),
+                               rtol=1e-5, atol=1e-5)
+    assert np.array_equal(y[..., rot:], x[..., rot:])  # dims >= rot untouched
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        part = x[rows].copy()
+        OPS.rope(part, positions[rows], inv_freq, mscale)
+        return part
+
+    assert_batch_invariant(run, 6)
+
+
+def test_silu_mul_matches_reference() -> None:
+    rng = rng_for(4)
+    gate, up = randn(rng, 3, 40) * 4, randn(rng, 3, 40)
+    g = gate.astype(np.float64)
+    np.testing.assert_allclose(OPS.silu_mul(gate, up), g / (1 + np.exp(-g)) * up,
+                               rtol=2e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- conversions
+def e4m3_value_table() -> np.ndarray:
+    """All 256 E4M3FN values in float64 from the format definition (NaN at 0x7F/0xFF)."""
+    values = np.empty(256)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        exp, mant = (code >> 3) & 15, code & 7
+        mag = mant / 8 * 2.0**-6 if exp == 0 else (1 + mant / 8) * 2.0 ** (exp - 7)
+        values[code] = np.nan if (exp == 15 and mant == 7) else sign * mag
+    return values
+
+
+def e4m3_reference(x: float) -> int:
+    """Nearest finite E4M3FN code (ties to even mantissa), saturating; brute force."""
+    table = e4m3_value_table()
+    x = float(np.clip(x, -448.0, 448.0))
+    finite = [c for c in range(256) if not np.isnan(table[c]) and (c & 0x80) == (0x80 if np.signbit(x) else 0)]
+    dist = np.array([abs(table[c] - x) for c in finite])
+    best = [finite[i] for i in np.flatnonzero(dist == dist.min())]
+    return min(best, key=lambda c: (c & 1, c))
+
+
+def test_e4m3_edge_values() -> None:
+    assert kernels.from_e4m3(0x7E) == 448.0
+    assert np.isnan(kernels.from_e4m3(0x7F)) and np.isnan(kernels.from_e4m3(0xFF))
+    assert kernels.from_e4m3(0x08) == 2.0**-6
+    assert kernels.from_e4m3(0x01) == 2.0**-9
+    assert kernels.from_e4m3(0x38) == 1.0
+    assert kernels.to_e4m3(500.0) == 0x7E
+    assert kernels.to_e4m3(-1000.0) == 0xFE
+    assert kernels.to_e4m3(0.0009) == 0x00
+    assert kernels.to_e4m3(np.inf) == 0x7E
+    assert kernels.to_e4m3(np.nan) == 0x7F
+
+
+def test_e4m3_all_codes_round_trip_and_random_encoding() -> None:
+    table = e4m3_value_table()
+    for code in range(256):
+        value = kernels.from_e4m3(code)
+        if np.isnan(table[code]):
+            assert np.isnan(value)
+            continue
+        assert value == table[code]
+        assert kernels.to_e4m3(value) == code
+    rng = rng_for(5)
+    samples = np.concatenate([rng.standard_normal(150) * 30, rng.standard_normal(50) * 0.01,
+                              (table[:0x7E] + table[1:0x7F]) / 2])  # midpoints test ties
+    for x in samples.astype(np.float32):
+        assert kernels.to_e4m3(x) == e4m3_reference(float(x)), x
+
+
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bits, nearest even, with Python integers."""
+    out = []
+    for u in x.astype(np.float32).view(np.uint32).tolist():
+        keep, rest = u >> 16, u & 0xFFFF
+        if rest > 0x8000 or (rest == 0x8000 and keep & 1):
+            keep += 1
+        out.append(keep)
+    return np.array(out, np.uint16)
+
+
+def test_bf16_conversion() -> None:
+    rng = rng_for(6)
+    x = np.concatenate([randn(rng, 200) * 1e3, np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0],
+                                                        np.float32)])
+    bits = np.array([kernels.to_bf16_bits(v) for v in x], np.uint16)
+    assert np.array_equal(bits, bf16_reference(x))
+    back = np.array([kernels.from_bf16_bits(b) for b in bits], np.float32)
+    assert np.array_equal(back.view(np.uint32), bits.astype(np.uint32) << 16)
+    assert kernels.bf16_round(np.float32(1.0 + 2**-8)) == 1.0  # tie -> even
+    assert np.isnan(kernels.from_bf16_bits(kernels.to_bf16_bits(np.float32(np.nan))))
+
+
+# --------------------------------------------------------------------------- KV cache
+def decode_kv(stored: np.ndarray, scale: float) -> np.ndarray:
+    if stored.dtype == np.float32:
+        return stored.astype(np.float64)
+    if stored.dtype == np.uint16:
+        return (stored.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return e4m3_value_table()[stored] * scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
+def test_kv_write_round_trip(kv_dtype: str) -> None:
+    rng = rng_for(8)
+    kv = OPS.alloc_kv(2, 16, 2, 8, kv_dtype)
+    scales = np.array([[1.0, 1.0], [0.5, 2.0]], np.float32)
+    k, v = randn(rng, 3, 2, 8), randn(rng, 3, 2, 8)
+    slots = np.array([5, 0, 15], np.int64)
+    OPS.kv_write(kv, 1, k, v, slots, scales)
+    assert not kv[0].any() and not np.delete(kv[1], slots, axis=1).any()
+    got_k, got_v = decode_kv(kv[1, 0, slots], 0.5), decode_kv(kv[1, 1, slots], 2.0)
+    if kv_dtype == "f32":
+        assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+    elif kv_dtype == "bf16":
+        assert np.array_equal(kv[1, 0, slots].ravel(), bf16_reference(k.ravel()))
+    else:
+        codes = [e4m3_reference(float(np.float32(x) / np.float32(0.5))) for x in k.ravel()]
+        assert np.array_equal(kv[1, 0, slots].ravel(), np.array(codes, np.uint8))
+        np.testing.assert_allclose(got_v, v, rtol=0.07, atol=2.0 * 2**-9)
+
+
+def test_zero_pages_zeroes_exactly_those_pages() -> None:
+    kv = OPS.alloc_kv(3, 8 * 4, 2, 4, "bf16")
+    kv[:] = 7
+    OPS.zero_pages(kv, np.array([1, 6], np.int32), 4)
+    page_of_slot = np.arange(32) // 4
+    zeroed = np.isin(page_of_slot, [1, 6])
+    assert not kv[:, :, zeroed].any()
+    assert (kv[:, :, ~zeroed] == 7).all()
+
+
+def attention_reference(q: np.ndarray, kv_layer: np.ndarray, scales: tuple[float, float],
+                        block_table: np.ndarray, row_seq: np.ndarray, row_pos: np.ndarray,
+                        page_size: int, sm_scale: float) -> np.ndarray:
+    keys, values = decode_kv(kv_layer[0], scales[0]), decode_kv(kv_layer[1], scales[1])
+    group = q.shape[1] // kv_layer.shape[2]
+    out = np.empty(q.shape)
+    for r in range(q.shape[0]):
+        pos = np.arange(row_pos[r] + 1)
+        slots = block_table[row_seq[r], pos // page_size].astype(np.int64) * page_size + pos % page_size
+        for h in range(q.shape[1]):
+            k, v = keys[slots, h // group], values[slots, h // group]
+            s = k @ q[r, h].astype(np.float64) * sm_scale
+            p = np.exp(s - s.max())
+            out[r, h] = p @ v / p.sum()
+    return out
+
+
+def filled_arena(kv_dtype: str, page_map: list[list[int]], num_pages: int, page_size: int,
+                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Arena whose stream s, position p holds the same K/V whatever the page map."""
+    rng = rng_for(seed)
+    kv = OPS.alloc_kv(2, num_pages * page_size, 2, 16, kv_dtype)
+    scales = np.array([[1.0, 1.0], [0.05, 0.1]], np.float32)
+    for pages in page_map:
+        tokens = len(pages) * page_size
+        k, v = randn(rng, tokens, 2, 16), randn(rng, tokens, 2, 16)
+        pos = np.arange(tokens)
+        slots = np.array(pages, np.int64)[pos // page_size] * page_size + pos % page_size
+        OPS.kv_write(kv, 1, k, v, slots, scales)
+    return kv, scales
+
+
+def table_of(page_map: list[list[int]]) -> np.ndarray:
+    width = max(len(p) for p in page_map)
+    return np.array([p + [-1] * (width - len(p)) for p in page_map], np.int32)
+
+
+SCATTERED = [[5, 2, 9], [0, 7], [11, 3, 8, 1]]
+CONTIGUOUS = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
+ROW_SEQ = np.array([0, 2, 1, 2, 0, 2, 1], np.int32)
+ROW_POS = np.array([11, 0, 6, 15, 3, 9, 2], np.int64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
+def test_paged_attention_reference_invariance_and_paging(kv_dtype: str) -> None:
+    page_size, sm_scale = 4, 0.25
+    q = randn(rng_for(9), 7, 4, 16)
+    kv, scales = filled_arena(kv_dtype, SCATTERED, 12, page_size, seed=10)
+    table = table_of(SCATTERED)
+
+    def run(rows: np.ndarray, arena: np.ndarray = kv, bt: np.ndarray = table) -> np.ndarray:
+        return OPS.attention(q[rows], arena, 1, scales, bt, ROW_SEQ[rows], ROW_POS[rows],
+                             page_size, sm_scale)
+
+    out = run(np.arange(7))
+    ref = attention_reference(q, kv[1], (0.05, 0.1), table, ROW_SEQ, ROW_POS, page_size, sm_scale)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    assert_batch_invariant(run, 7)
+    kv_c, _ = filled_arena(kv_dtype, CONTIGUOUS, 12, page_size, seed=10)
+    assert np.array_equal(run(np.arange(7), kv_c, table_of(CONTIGUOUS)), out)
+
+
+# --------------------------------------------------------------------------- MoE
+def test_moe_route_ties_order_and_normalisation() -> None:
+    logits = np.array([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    for norm in (False, True):
+        ids = np.empty((2, 3), np.int32)
+        weights = np.empty((2, 3), np.float32)
+        kernels.moe_route(logits, 3, norm, ids, weights)
+        assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+        probs = np.exp(logits[0] - 3.0) / np.exp(logits[0] - 3.0).sum()
+        expect = probs[[1, 2, 4]] / (probs[[1, 2, 4]].sum() if norm else 1.0)
+        np.testing.assert_allclose(weights[0], expect, rtol=1e-6)
+        total = weights.sum(axis=1)
+        assert np.allclose(total, 1.0) if norm else (total < 1.0).all()
+    logits = np.array([[0.1, 2.0, -1.0, 0.7]], np.float32)
+    out_ids = np.empty((1, 2), np.int32)
+    kernels.moe_route(logits, 2, False, out_ids, np.empty((1, 2), np.float32))
+    assert out_ids.tolist() == [[1, 3]]  # descending weight
+
+
+def moe_reference(x: np.ndarray, router: np.ndarray, experts: list[tuple[np.ndarray, ...]],
+                  top_k: int) -> np.ndarray:
+    logits = x.astype(np.float64) @ router.T
+    out = np.zeros(x.shape)
+    for r in range(x.shape[0]):
+        p = np.exp(logits[r] - logits[r].max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:top_k]
+        for e in top:
+            g, u, d = (m.astype(np.float64) for m in experts[e])
+            gate, up = x[r] @ g.T, x[r] @ u.T
+            out[r] += p[e] / p[top].sum() * ((gate / (1 + np.exp(-gate)) * up) @ d.T)
+    return out
+
+
+def test_moe_matches_reference_and_is_batch_invariant() -> None:
+    rng = rng_for(11)
+    hidden, inter, num_experts = 64, 32, 4
+    gate, up = randn(rng, num_experts, inter, hidden) / 8, randn(rng, num_experts, inter, hidden) / 8
+    down, router = randn(rng, num_experts, hidden, inter) / 6, randn(rng, num_experts, hidden)
+    x = randn(rng, 9, hidden)
+    args = (DenseWeight(router), DenseWeight(gate), DenseWeight(up), DenseWeight(down), 2, True)
+    out = OPS.moe(x, *args)
+    experts = [(gate[e], up[e], down[e]) for e in range(num_experts)]
+    np.testing.assert_allclose(out, moe_reference(x, router, experts, 2), rtol=1e-4, atol=1e-5)
+    assert_batch_invariant(lambda rows: OPS.moe(x[rows], *args), 9)
+    quant = [quantize_affine(m, 4, 32) for m in (gate, up)] + [quantize_affine(down, 8, 32)]
+    q_args = (DenseWeight(router), *quant, 2, True)
+    assert_batch_invariant(lambda rows: OPS.moe(x[rows], *q_args), 9)
+
+
+# --------------------------------------------------------------------------- validation
+def test_ops_reject_bad_arguments() -> None:
+    w = quantize_affine(randn(rng_for(12), 8, 64), 4, 32)
+    x = randn(rng_for(13), 2, 64)
+    with pytest.raises(ValueError, match="dtype float32"):
+        OPS.linear(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match="in_features 64"):
+        OPS.linear(x[:, :32].copy(), w)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        OPS.linear(np.asfortranarray(np.ones((3, 64), np.float32)), w)
+    bad = AffineWeight(w.codes, w.scales[:, :1].copy(), w.biases, 4, 32)
+    with pytest.raises(ValueError, match="scales"):
+        OPS.linear(x, bad)
+    with pytest.raises(ValueError, match="embed ids"):
+        OPS.embed(w, np.array([8], np.int64))
+    kv = OPS.alloc_kv(1, 8, 1, 4, "f32")
+    k = randn(rng_for(14), 1, 1, 4)
+    with pytest.raises(ValueError, match="slots"):
+        OPS.kv_write(kv, 0, k, k, np.array([8], np.int64), None)
+    with pytest.raises(ValueError, match="layer 1"):
+        OPS.kv_write(kv, 1, k, k, np.array([0], np.int64), None)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        OPS.alloc_kv(1, 8, 1, 4, "int8")
+    q = randn(rng_for(15), 1, 2, 4)
+    table = np.array([[0, 1]], np.int32)
+    with pytest.raises(ValueError, match="block_table"):
+        OPS.attention(q, kv, 0, None, table, np.array([0], np.int32), np.array([8], np.int64), 4, 1.0)
+    with pytest.raises(ValueError, match="row_seq"):
+        OPS.attention(q, kv, 0, None, table, np.array([0], np.int64), np.array([1], np.int64), 4, 1.0)
+    with pytest.raises(ValueError, match="page_ids"):
+        OPS.zero_pages(kv, np.array([2], np.int32), 4)

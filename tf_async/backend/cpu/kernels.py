@@ -1,0 +1,483 @@
+"""Numba CPU kernels (docs/KERNELS.md). Outputs are passed in; kernels return nothing.
+
+Every kernel is batch-invariant: each output row (or (row, head)) is computed by the same
+sequential code with the same reduction order, whatever the other rows of the call are.
+Parallel kernels split work over output features or (row, head) pairs, never inside a
+reduction. Reductions live in small `fastmath` helpers: LLVM vectorises them with a fixed
+lane/unroll order that depends only on the length, so the result is deterministic.
+
+Kernels trust their arguments (no bounds checks inside); `CpuOps` validates them first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .simd import dequant16_u4, dequant16_u8, f32_as_u32, fma32, u32_as_f32
+
+_F32 = np.float32
+_FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in L1)
+_MAX_CHUNKS = 32
+_LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------- conversions
+def _e4m3_table() -> np.ndarray:
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp = (codes >> 3) & 0xF
+    mant = codes & 7
+    mag = np.where(exp == 0, mant / 8.0 * 2.0**-6, (1 + mant / 8.0) * 2.0 ** (exp - 7.0))
+    mag = np.where((exp == 15) & (mant == 7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+E4M3_TABLE = _e4m3_table()  # decode LUT, 256 float32
+
+
+@njit(nogil=True, cache=True)
+def to_bf16_bits(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
+    x = _F32(x)
+    bits = np.int64(f32_as_u32(x))
+    if x != x:
+        return np.uint16((bits >> 16) | 0x40)
+    return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+
+
+@njit(nogil=True, cache=True)
+def from_bf16_bits(h):
+    """bfloat16 bits -> float32 (exact)."""
+    return u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
+
+
+@njit(nogil=True, cache=True)
+def bf16_round(x):
+    """float32 rounded to the nearest bfloat16, as float32."""
+    return from_bf16_bits(to_bf16_bits(x))
+
+
+@njit(nogil=True, cache=True)
+def to_e4m3(x):
+    """float32 -> OCP E4M3FN byte: saturate to +-448, round to nearest even, NaN -> 0x7F."""
+    x = _F32(x)
+    if x != x:
+        return np.uint8(0x7F)
+    sign = np.int64(f32_as_u32(x) >> np.uint32(24)) & 0x80
+    mag = abs(x)
+    if mag >= _F32(448.0):
+        code = np.int64(0x7E)
+    elif mag < _F32(0.015625):  # subnormal: steps of 2**-9 (8 steps = 2**-6 = code 0x08)
+        code = np.int64(np.rint(np.float64(mag) * 512.0))
+    else:  # round the 23-bit mantissa to 3 bits; a carry bumps the exponent correctly
+        bits = np.int64(f32_as_u32(mag))
+        code = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    return np.uint8(sign | code)
+
+
+@njit(nogil=True, cache=True)
+def from_e4m3(q):
+    """OCP E4M3FN byte -> float32."""
+    return E4M3_TABLE[np.int64(q)]
+
+
+def _kv_load(value, scale):
+    """Stored KV element -> float32 (dispatch on the KV dtype)."""
+
+
+def _kv_store(like, x, scale):
+    """float32 -> stored KV element of `like`'s dtype."""
+
+
+@overload(_kv_load, jit_options={"nogil": True})
+def _kv_load_impl(value, scale):
+    if value == types.float32:
+        return lambda value, scale: value
+    if value == types.uint16:
+        return lambda value, scale: from_bf16_bits(value)
+    if value == types.uint8:
+        return lambda value, scale: from_e4m3(value) * scale
+    return None
+
+
+@overload(_kv_store, jit_options={"nogil": True})
+def _kv_store_impl(like, x, scale):
+    if like.dtype == types.float32:
+        return lambda like, x, scale: x
+    if like.dtype == types.uint16:
+        return lambda like, x, scale: to_bf16_bits(x)
+    if like.dtype == types.uint8:
+        return lambda like, x, scale: to_e4m3(x / scale)
+    return None
+
+
+# ----------------------------------------------------------------------------- helpers
+@njit(nogil=True, cache=True, fastmath=True)
+def _dot(a, b):
+    # a, b: [n] float32; vectorised reduction, order fixed by n alone
+    acc = _F32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _sum_squares(a):
+    acc = _F32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * a[i]
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def _chunk(index, num_chunks, num_items):
+    """[start, end) of chunk `index` when `num_items` are split into `num_chunks`."""
+    return index * num_items // num_chunks, (index + 1) * num_items // num_chunks
+
+
+@njit(nogil=True, cache=True)
+def _num_chunks(num_items):
+    # A fixed count (not the thread count: querying it defeats caching); prange deals the
+    # chunks out to the threads and each chunk allocates its scratch once.
+    return max(1, min(_MAX_CHUNKS, num_items))
+
+
+# ----------------------------------------------------------------------------- matmuls
+@njit(nogil=True, cache=True)
+def _affine_layout(bits, group_size):
+    # Fast paths need whole 16-byte code blocks inside one scale group.
+    if bits == 4 and group_size % 32 == 0:
+        return _LAYOUT_U4
+    if bits == 8 and group_size % 16 == 0:
+        return _LAYOUT_U8
+    return _LAYOUT_GENERIC
+
+
+@njit(nogil=True, cache=True)
+def _dequant_generic(codes, scales, biases, bits, group_size, dst):
+    # codes [words] u32 -> dst [in] float32 in natural element order
+    per_word = 32 // bits
+    mask = np.uint32((1 << bits) - 1)
+    for i in range(dst.shape[0]):
+        shift = np.uint32((i % per_word) * bits)
+        q = (codes[i // per_word] >> shift) & mask
+        g = i // group_size
+        dst[i] = fma32(_F32(q), scales[g], biases[g])
+
+
+@njit(nogil=True, cache=True)
+def _dequant_row(codes, scales, biases, bits, group_size, layout, dst):
+    """One weight row -> dst [in] float32 (LAYOUT_U4 stores each 32-element block permuted:
+    even elements, then odd elements; x is permuted the same way by _permute_u4)."""
+    # groups outer, 16-byte blocks inner: no integer division in the hot loop
+    if layout == _LAYOUT_U4:
+        blocks_per_group = group_size // 32
+        for g in range(scales.shape[0]):
+            for i in range(g * blocks_per_group, (g + 1) * blocks_per_group):
+                dequant16_u4(codes, i * 16, dst, i * 32, scales[g], biases[g])
+    elif layout == _LAYOUT_U8:
+        blocks_per_group = group_size // 16
+        for g in range(scales.shape[0]):
+            for i in range(g * blocks_per_group, (g + 1) * blocks_per_group):
+                dequant16_u8(codes, i * 16, dst, i * 16, scales[g], biases[g])
+    else:
+        _dequant_generic(codes, scales, biases, bits, group_size, dst)
+
+
+@njit(nogil=True, cache=True)
+def _permute_u4(x):
+    # x [rows, in] -> per 32-element block: the 16 even elements, then the 16 odd ones
+    xp = np.empty_like(x)
+    for r in range(x.shape[0]):
+        for base in range(0, x.shape[1], 32):
+            for j in range(16):
+                xp[r, base + j] = x[r, base + 2 * j]
+                xp[r, base + 16 + j] = x[r, base + 2 * j + 1]
+    return xp
+
+
+@njit(nogil=True, cache=True)
+def _dot_block(x, w_block, first_feature, num_features, out):
+    # out[r, first_feature + j] = x[r] . w_block[j] for every row
+    for r in range(x.shape[0]):
+        x_row = x[r]
+        for j in range(num_features):
+            out[r, first_feature + j] = _dot(w_block[j], x_row)
+
+
+@njit(nogil=True, cache=True)
+def _features_per_block(in_features):
+    return max(1, min(16, _FEATURE_BLOCK_FLOATS // max(1, in_features)))
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def matmul_affine(x, codes, scales, biases, bits, group_size, out):
+    """out = x @ dequant(codes, scales, biases).T. x [rows, in], codes [out_f, in*bits/32] u32,
+    scales/biases [out_f, in/group_size]. Each block of output features is dequantized once
+    and applied to every row."""
+    rows, in_features = x.shape
+    out_features = codes.shape[0]
+    if rows == 0 or out_features == 0:
+        return
+    layout = _affine_layout(bits, group_size)
+    xp = _permute_u4(x) if layout == _LAYOUT_U4 else x
+    per_block = _features_per_block(in_features)
+    num_blocks = (out_features + per_block - 1) // per_block
+    num_chunks = _num_chunks(num_blocks)
+    for chunk in prange(num_chunks):
+        w_block = np.empty((per_block, in_features), _F32)
+        first, last = _chunk(chunk, num_chunks, num_blocks)
+        for block in range(first, last):
+            o0 = block * per_block
+            count = min(per_block, out_features - o0)
+            for j in range(count):
+                o = o0 + j
+                _dequant_row(codes[o], scales[o], biases[o], bits, group_size, layout, w_block[j])
+            _dot_block(xp, w_block, o0, count, out)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def matmul_dense(x, w, out):
+    """out = x @ w.T. x [rows, in], w [out_f, in] float32."""
+    rows = x.shape[0]
+    out_features = w.shape[0]
+    if rows == 0 or out_features == 0:
+        return
+    per_block = _features_per_block(w.shape[1])
+    num_blocks = (out_features + per_block - 1) // per_block
+    num_chunks = _num_chunks(num_blocks)
+    for chunk in prange(num_chunks):
+        first, last = _chunk(chunk, num_chunks, num_blocks)
+        for block in range(first, last):
+            o0 = block * per_block
+            count = min(per_block, out_features - o0)
+            _dot_block(x, w[o0:o0 + count], o0, count, out)
+
+
+@njit(nogil=True, cache=True)
+def embed_dense(w, ids, out):
+    """out[r] = w[ids[r]]. w [V, H], ids [rows] int64."""
+    for r in range(ids.shape[0]):
+        out[r, :] = w[ids[r], :]
+
+
+@njit(nogil=True, cache=True)
+def embed_affine(codes, scales, biases, bits, group_size, ids, out):
+    """out[r] = dequantized row ids[r] (natural element order)."""
+    for r in range(ids.shape[0]):
+        v = ids[r]
+        _dequant_generic(codes[v], scales[v], biases[v], bits, group_size, out[r])
+
+
+# ----------------------------------------------------------------------------- row-wise ops
+@njit(nogil=True, cache=True)
+def rms_norm(x, w, eps, out):
+    """out = x * rsqrt(mean(x^2) + eps) * w over the last axis. x [rows, dim], w [dim]."""
+    dim = x.shape[1]
+    eps32 = _F32(eps)
+    for r in range(x.shape[0]):
+        mean_square = _sum_squares(x[r]) / _F32(dim)
+        inv = _F32(1.0) / np.sqrt(mean_square + eps32)
+        for i in range(dim):
+            out[r, i] = (x[r, i] * inv) * w[i]
+
+
+@njit(nogil=True, cache=True)
+def rope(x, positions, inv_freq, mscale):
+    """Rotate-half RoPE in place on the first 2*len(inv_freq) dims of each head.
+    x [rows, heads, hd], positions [rows] int64, inv_freq [rot/2] float32. The angle
+    pos * inv_freq is formed in float64; cos and sin are rounded to float32, times mscale."""
+    half = inv_freq.shape[0]
+    cos = np.empty(half, _F32)
+    sin = np.empty(half, _F32)
+    m = _F32(mscale)
+    for r in range(x.shape[0]):
+        pos = np.float64(positions[r])
+        for i in range(half):
+            angle = pos * np.float64(inv_freq[i])
+            cos[i] = _F32(np.cos(angle)) * m
+            sin[i] = _F32(np.sin(angle)) * m
+        for h in range(x.shape[1]):
+            for i in range(half):
+                a = x[r, h, i]
+                b = x[r, h, i + half]
+                x[r, h, i] = a * cos[i] - b * sin[i]
+                x[r, h, i + half] = b * cos[i] + a * sin[i]
+
+
+@njit(nogil=True, cache=True)
+def silu_mul(gate, up, out):
+    """out = silu(gate) * up. All [rows, I] float32."""
+    for r in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            g = gate[r, i]
+            out[r, i] = g / (_F32(1.0) + np.exp(-g)) * up[r, i]
+
+
+# ----------------------------------------------------------------------------- KV cache
+@njit(nogil=True, cache=True)
+def kv_write(k, v, kv_layer, slots, k_scale, v_scale):
+    """Convert and store rows: kv_layer [2, num_slots, nkv, hd] (f32 / bf16 bits / e4m3),
+    k, v [rows, nkv, hd] float32, slots [rows] int64. fp8 stores e4m3(x / scale)."""
+    scales = (_F32(k_scale), _F32(v_scale))
+    for r in range(k.shape[0]):
+        slot = slots[r]
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                kv_layer[0, slot, h, d] = _kv_store(kv_layer, k[r, h, d], scales[0])
+                kv_layer[1, slot, h, d] = _kv_store(kv_layer, v[r, h, d], scales[1])
+
+
+@njit(nogil=True, cache=True)
+def zero_pages(kv, page_ids, page_size):
+    """Zero the K and V slots of `page_ids` in every layer. kv: the whole arena."""
+    for layer in range(kv.shape[0]):
+        for kind in range(2):
+            for p in range(page_ids.shape[0]):
+                first = np.int64(page_ids[p]) * page_size
+                kv[layer, kind, first:first + page_size] = 0
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _key_score(q_row, kv_layer, slot, kv_head, k_scale):
+    # q_row [hd] . K[slot, kv_head] (converted to float32)
+    acc = _F32(0.0)
+    for d in range(q_row.shape[0]):
+        acc += q_row[d] * _kv_load(kv_layer[0, slot, kv_head, d], k_scale)
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def _add_value(acc, p, kv_layer, slot, kv_head, v_scale):
+    # acc [hd] += p * V[slot, kv_head]; one key at a time, in ascending position
+    for d in range(acc.shape[0]):
+        acc[d] += p * _kv_load(kv_layer[1, slot, kv_head, d], v_scale)
+
+
+@njit(nogil=True, cache=True)
+def _slot(block_table, seq, pos, page_size):
+    return np.int64(block_table[seq, pos // page_size]) * page_size + pos % page_size
+
+
+@njit(nogil=True, cache=True)
+def _softmax_in_place(scores, num_keys):
+    # scores[:num_keys] -> exp(s - max); returns the sum (sequential, ascending)
+    peak = scores[0]
+    for j in range(1, num_keys):
+        peak = max(peak, scores[j])
+    total = _F32(0.0)
+    for j in range(num_keys):
+        p = np.exp(scores[j] - peak)
+        scores[j] = p
+        total += p
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _attend_one(q, kv_layer, scales, block_table, seq, pos, page_size, sm_scale,
+                head, kv_head, scores, acc, out_row):
+    # One (row, head): causal attention over positions 0..pos of stream `seq`.
+    num_keys = pos + 1
+    for j in range(num_keys):
+        slot = _slot(block_table, seq, j, page_size)
+        scores[j] = _key_score(q, kv_layer, slot, kv_head, scales[0]) * sm_scale
+    total = _softmax_in_place(scores, num_keys)
+    acc[:] = 0
+    for j in range(num_keys):
+        _add_value(acc, scores[j], kv_layer, _slot(block_table, seq, j, page_size), kv_head,
+                   scales[1])
+    for d in range(acc.shape[0]):
+        out_row[d] = acc[d] / total
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size,
+                    sm_scale, out):
+    """Causal GQA over paged KV. q/out [rows, nh, hd] float32; kv_layer [2, num_slots, nkv, hd];
+    block_table [seqs, max_pages] int32; row_seq [rows] int32; row_pos [rows] int64.
+    Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv)."""
+    rows, num_heads, head_dim = q.shape
+    if rows == 0:
+        return
+    group = num_heads // kv_layer.shape[2]
+    max_keys = np.int64(row_pos.max()) + 1
+    scales = (_F32(k_scale), _F32(v_scale))
+    sm = _F32(sm_scale)
+    num_items = rows * num_heads
+    num_chunks = _num_chunks(num_items)
+    for chunk in prange(num_chunks):
+        scores = np.empty(max_keys, _F32)
+        acc = np.empty(head_dim, _F32)
+        first, last = _chunk(chunk, num_chunks, num_items)
+        for item in range(first, last):
+            r, h = item // num_heads, item % num_heads
+            _attend_one(q[r, h], kv_layer, scales, block_table, np.int64(row_seq[r]),
+                        np.int64(row_pos[r]), page_size, sm, h, h // group, scores, acc,
+                        out[r, h])
+
+
+# ----------------------------------------------------------------------------- MoE routing
+@njit(nogil=True, cache=True)
+def _softmax_row(logits, probs):
+    peak = logits[0]
+    for e in range(1, logits.shape[0]):
+        peak = max(peak, logits[e])
+    total = _F32(0.0)
+    for e in range(logits.shape[0]):
+        probs[e] = np.exp(logits[e] - peak)
+        total += probs[e]
+    for e in range(logits.shape[0]):
+        probs[e] = probs[e] / total
+
+
+@njit(nogil=True, cache=True)
+def _take_best(probs, taken):
+    # highest untaken probability; ties go to the lower expert id
+    best = -1
+    for e in range(probs.shape[0]):
+        if not taken[e] and (best < 0 or probs[e] > probs[best]):
+            best = e
+    taken[best] = True
+    return best
+
+
+@njit(nogil=True, cache=True)
+def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
+    """Softmax over all experts (float32), then top-k (descending weight, ties: lower id
+    first), optionally renormalised to sum 1. logits [rows, E]; out_ids/out_weights [rows, k]."""
+    num_experts = logits.shape[1]
+    probs = np.empty(num_experts, _F32)
+    taken = np.empty(num_experts, np.bool_)
+    for r in range(logits.shape[0]):
+        _softmax_row(logits[r], probs)
+        taken[:] = False
+        total = _F32(0.0)
+        for j in range(top_k):
+            best = _take_best(probs, taken)
+            out_ids[r, j] = best
+            out_weights[r, j] = probs[best]
+            total += probs[best]
+        if norm_topk_prob:
+            for j in range(top_k):
+                out_weights[r, j] = out_weights[r, j] / total
+
+
+# ----------------------------------------------------------------------------- validation
+@njit(nogil=True, cache=True)
+def first_bad_page_row(block_table, row_seq, row_pos, page_size, num_pages):
+    """First row whose stream or pages (positions 0..row_pos) fall outside the block table or
+    the arena; -1 when every row is valid. Used by CpuOps before paged_attention."""
+    for r in range(row_seq.shape[0]):
+        seq = np.int64(row_seq[r])
+        pos = row_pos[r]
+        if seq < 0 or seq >= block_table.shape[0] or pos < 0:
+            return r
+        if pos // page_size >= block_table.shape[1]:
+            return r
+        for p in range(pos // page_size + 1):
+            page = block_table[seq, p]
+            if page < 0 or page >= num_pages:
+                return r
+    return -1
