@@ -13,7 +13,7 @@ many-rows path give bit-identical rows, and neither depends on the batch):
   then a butterfly sum over the 32 lanes (offsets 16, 8, 4, 2, 1).
   Affine dequantization: w(o, k) = fma(float(q), scale, bias).
 
-Launch: block MATMUL_THREADS (4 warps, each warp COLS_PER_WARP output columns), grid
+Launch: block MATMUL_THREADS (4 warps; 2 in the simulator, each warp COLS_PER_WARP output columns), grid
 (ceil(out_f / (4 * COLS_PER_WARP)), ceil(rows / rows_tile)). Each step, the block stages the
 x slice of its rows for 32 words in shared memory ([rows_tile][per_word][32], lane-minor so
 reads are conflict-free), then every warp reads 32 coalesced words per column.
@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels.convert import f32_from_bits
-from cuda_kernels.env import cuda, warp_sum
+from cuda_kernels.env import SIMULATOR, cuda, warp_sum
 
-WARPS_PER_BLOCK = 4
+WARPS_PER_BLOCK = 2 if SIMULATOR else 4  # fewer Python threads in the simulator
 MATMUL_THREADS = 32 * WARPS_PER_BLOCK
 COLS_PER_WARP = 2
 COLS_PER_BLOCK = WARPS_PER_BLOCK * COLS_PER_WARP

@@ -94,7 +94,7 @@ async def test_failed_step_fails_only_that_request(tiny_llama):
 async def test_out_of_pages_preempts_and_recomputes_without_changing_tokens(tiny_llama):
     solo = await solo_outputs(tiny_llama, "greedy", 40)
     # 4 lanes but pages for barely more than one full stream: forces preemption
-    async with engine(tiny_llama, parallel=4, ctx=64, kv_pages=20, step_tokens=8) as eng:
+    async with engine(tiny_llama, parallel=4, ctx=128, kv_pages=34, step_tokens=8) as eng:
         outs = await asyncio.gather(*(eng.complete(p, max_tokens=40) for p in PROMPTS))
         assert [o.token_ids for o in outs] == solo
         assert eng.parts.scheduler.num_preemptions > 0
@@ -131,25 +131,28 @@ async def test_bad_sampling_arguments_are_clear_errors(tiny_llama, bad):
 
 async def test_stop_strings_never_emitted_and_logprobs_include_chosen(tiny_llama):
     async with engine(tiny_llama) as eng:
-        full = await eng.complete(PROMPTS[3], max_tokens=30, logprobs=3)
-        assert full.finish_reason == "length" and len(full.token_ids) == 30
-        assert len(full.logprobs) == 30
-        for tok, lp in zip(full.token_ids, full.logprobs, strict=True):
+        greedy = await eng.complete(PROMPTS[3], max_tokens=30, logprobs=3)
+        assert greedy.finish_reason == "length" and len(greedy.token_ids) == 30
+        assert len(greedy.logprobs) == 30
+        for tok, lp in zip(greedy.token_ids, greedy.logprobs, strict=True):
             assert tok in lp and len(lp) >= 3 and all(v <= 0.0 for v in lp.values())
             assert lp[tok] == max(lp.values())  # greedy picks the top log-prob
-        stop = full.text[10:13]
-        assert stop and stop not in full.text[:10]
-        cut = await eng.complete(PROMPTS[3], max_tokens=30, stop=[stop])
-        assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+        kw = dict(max_tokens=40, temperature=8.0, seed=5)
+        full = await eng.complete(PROMPTS[3], **kw)
+        at = next(p for p in range(4, len(full.text) - 2) if full.text.find(full.text[p:p + 2]) == p)
+        stop = full.text[at:at + 2]
+        for stops in ([stop], ["never-there", stop]):
+            cut = await eng.complete(PROMPTS[3], **kw, stop=stops)
+            assert cut.finish_reason == "stop" and cut.text == full.text[:at], (stop, cut.text)
         stop_id = full.token_ids[4]
-        by_id = await eng.complete(PROMPTS[3], max_tokens=30, stop_token_ids=[stop_id])
+        by_id = await eng.complete(PROMPTS[3], **kw, stop_token_ids=[stop_id])
         assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == stop_id
         assert by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
 
 
 async def test_seeded_sampling_is_reproducible_and_penalties_change_output(tiny_llama):
     async with engine(tiny_llama) as eng:
-        kw = dict(max_tokens=20, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, seed=42)
+        kw = dict(max_tokens=20, temperature=8.0, top_k=50, top_p=0.9, min_p=0.01, seed=42)
         a = await eng.complete(PROMPTS[1], **kw)
         b = await eng.complete(PROMPTS[1], **kw)
         c = await eng.complete(PROMPTS[1], **{**kw, "seed": 43})

@@ -313,11 +313,6 @@ def test_load_gguf_with_tokenizer_and_loader_entry_point(tmp_path: Path) -> None
 # ---- the default model --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def default_ckpt():
-    return load_gguf(default_model_path())
-
-
 def test_default_model_path_finds_file_without_import() -> None:
     sys.modules.pop(default_module.DEFAULT_MODEL_PACKAGE, None)
     path = Path(default_model_path())
@@ -331,14 +326,14 @@ def test_default_model_path_missing_package(monkeypatch: pytest.MonkeyPatch) -> 
         default_model_path()
 
 
-def test_default_model_config(default_ckpt) -> None:
-    c = default_ckpt.config
+def test_default_model_config(default_checkpoint) -> None:
+    c = default_checkpoint.config
     assert (c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert (c.head_dim, c.intermediate_size, c.vocab_size) == (64, 1536, 49152)
-    assert c.tie_word_embeddings and default_ckpt.weights.lm_head is default_ckpt.weights.embed
+    assert c.tie_word_embeddings and default_checkpoint.weights.lm_head is default_checkpoint.weights.embed
     assert 2 in c.eos_token_ids and c.rope_theta == 100000.0 and c.rms_norm_eps == 1e-5
-    assert default_ckpt.meta["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
-    embed, q = default_ckpt.weights.embed, default_ckpt.weights.layers[0].q
+    assert default_checkpoint.meta["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
+    embed, q = default_checkpoint.weights.embed, default_checkpoint.weights.layers[0].q
     assert isinstance(embed, AffineWeight) and (embed.bits, embed.codes.shape) == (8, (49152, 144))
     assert isinstance(q, AffineWeight) and (q.bits, q.codes.shape) == (4, (576, 72))
 
@@ -350,10 +345,10 @@ def _rope_pair_mismatch(w: np.ndarray, num_heads: int) -> float:
     return float(np.abs(np.log(norms[:, :half] / norms[:, half:])).mean())
 
 
-def test_default_model_qk_in_hf_order(default_ckpt) -> None:
+def test_default_model_qk_in_hf_order(default_checkpoint) -> None:
     # RoPE rotates rows i and i + head_dim/2 together, so trained weights give the two rows of
     # a pair similar norms; in llama.cpp's permuted order those rows are unrelated.
-    layers = default_ckpt.weights.layers
+    layers = default_checkpoint.weights.layers
     queries = [lw.q.dequantize() for lw in layers]
     hf = np.mean([_rope_pair_mismatch(q, 9) for q in queries])
     gguf_order = np.mean([_rope_pair_mismatch(permute_qk(q, 9), 9) for q in queries])
@@ -363,8 +358,8 @@ def test_default_model_qk_in_hf_order(default_ckpt) -> None:
     np.testing.assert_array_equal(permute_qk(layers[7].k.dequantize(), 3), file_rows)
 
 
-def test_default_model_tokenizer(default_ckpt) -> None:
-    tok = default_ckpt.tokenizer
+def test_default_model_tokenizer(default_checkpoint) -> None:
+    tok = default_checkpoint.tokenizer
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
     assert "<|im_start|>" in (tok.chat_template or "")
 

@@ -60,7 +60,7 @@ def random_hf_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, np.ndarra
     def norm(dim: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
 
-    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32)}
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": (0.25 * rng.standard_normal((V, H))).astype(np.float32)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         w[p + "input_layernorm.weight"] = norm(H)

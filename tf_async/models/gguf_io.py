@@ -208,6 +208,8 @@ def config_from_gguf(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], *
                                f"supported: {sorted(GGUF_ARCHS)}")
     keys = _Keys(meta, str(gguf_arch), source)
     hidden, heads = keys.integer("embedding_length"), keys.integer("attention.head_count")
+    if hidden <= 0 or heads <= 0:
+        raise ModelFormatError(f"{source}: bad embedding_length={hidden} / head_count={heads}")
     head_dim = keys.integer("attention.key_length", hidden // heads)
     rotary = keys.integer("rope.dimension_count", head_dim)
     num_layers = keys.integer("block_count")
@@ -357,7 +359,7 @@ def load_gguf_weights(path: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
     config = config_from_gguf(meta, shapes, source=source)
-    permuted = False
+    permuted = meta.get("general.architecture") == "llama"
     weights = _model(_TensorTable(tensors, source), config, permuted)
     info = {
         "format": "gguf",

@@ -40,13 +40,13 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 _encoder = msgspec.json.Encoder()
 
 
-class HttpError(Exception):
-    """An error response with a status other than 400 (which is BadInputError)."""
+class HttpError(BadInputError):
+    """Bad input answered with a status other than 400 (401, 403, 404, 413, 415)."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+        super().__init__(message, param=param, code=code)
+        self.status = status
         self.headers = headers or {}
 
 
@@ -67,14 +67,14 @@ def json_response(payload: Any) -> web.Response:
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
+    except HttpError as exc:
+        return error_response(exc.status, exc.message, code=exc.code, param=exc.param,
+                              headers=exc.headers)
     except BadInputError as exc:
         return error_response(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
     except QueueFullError as exc:
         return error_response(429, str(exc) or "the request queue is full; retry later",
                               code="queue_full", headers={"Retry-After": "1"})
-    except HttpError as exc:
-        return error_response(exc.status, exc.message, code=exc.code, param=exc.param,
-                              headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

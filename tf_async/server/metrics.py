@@ -119,8 +119,9 @@ class RequestTracker:
         except (asyncio.CancelledError, ConnectionResetError):
             self.finish("cancelled")
             raise
-        except Exception:
-            self.finish("error")
+        except Exception as exc:  # aiohttp's HTTPException 4xx (e.g. 413) is bad input too
+            status = getattr(exc, "status", 500)
+            self.finish("bad_input" if isinstance(status, int) and status < 500 else "error")
             raise
 
     def finish(self, outcome: str, usage: Usage | None = None) -> None:

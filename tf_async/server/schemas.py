@@ -281,7 +281,7 @@ class ErrorResponse(Struct):
 # ---------------------------------------------------------------- decoding
 
 _PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
-_UNKNOWN_RE = re.compile(r"unknown field `(?P<name>[^`]*)`")
+_UNKNOWN_RE = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
 _decoders: dict[type, msgspec.json.Decoder] = {}
 
 

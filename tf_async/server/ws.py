@@ -20,7 +20,7 @@ from aiohttp import WSMsgType, web
 
 from ..api_types import Delta
 from ..errors import BadInputError, QueueFullError
-from .app import SERVER_KEY, HttpError, Server
+from .app import SERVER_KEY, Server
 from .schemas import UsageOut, WsCancel, WsChat, decode
 
 log = logging.getLogger("tf_async.server")
@@ -88,7 +88,7 @@ class ChatSocket:
                 raise
             await self.send({"type": "done", "id": msg.id, "finish_reason": "cancelled",
                              "usage": None})
-        except (BadInputError, QueueFullError, HttpError) as exc:
+        except (BadInputError, QueueFullError) as exc:
             await self.send_error(msg.id, exc)
         except ConnectionResetError:
             pass  # the socket is gone; serve() cancels the rest
@@ -138,9 +138,6 @@ def _error_body(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, QueueFullError):
         return {"message": str(exc) or "the request queue is full; retry later",
                 "type": "rate_limit_error", "param": None, "code": "queue_full"}
-    if isinstance(exc, HttpError):
-        return {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
-                "code": exc.code}
     return {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
             "param": None, "code": "internal_error"}
 

@@ -12,15 +12,203 @@ Kernels trust their arguments (no bounds checks inside); `CpuOps` validates them
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
-
-from .simd import dequant16_u4, dequant16_u8, f32_as_u32, fma32, u32_as_f32
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 _F32 = np.float32
 _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in L1)
 _MAX_CHUNKS = 32
 _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------- intrinsics
+# Explicit LLVM IR. The fused dequantize-and-dot is written by hand because the
+# auto-vectoriser leaves the nibble unpacking scalar and may choose its own reduction order:
+# here each output row accumulates 16-byte code blocks in order into its own 16-lane
+# vector(s) with llvm.fma and ends with a fixed halving sum. No fast-math flags are set, so
+# LLVM keeps exactly this arithmetic whether 1 or 4 rows share the weights (and splits the
+# vectors, with the same results, on machines without AVX-512). They live in this file
+# because Numba's cache only notices edits to the file of the cached function.
+_I8 = ir.IntType(8)
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+_V16_I8 = ir.VectorType(_I8, 16)
+_V16_I32 = ir.VectorType(_I32, 16)
+_V16_F32 = ir.VectorType(ir.FloatType(), 16)
+
+
+@intrinsic
+def f32_as_u32(typingctx, x):  # noqa: ARG001
+    """float32 -> its IEEE bits as uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def u32_as_f32(typingctx, u):  # noqa: ARG001
+    """uint32 bits -> float32."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):  # noqa: ARG001
+    """a * b + c in float32 with one rounding (llvm.fma.f32)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f32")
+        return builder.call(fn, list(args))
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+def _splat(builder, value, vector_type):
+    undef = ir.Constant(vector_type, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count)
+    return builder.shuffle_vector(one, undef, mask)
+
+
+def _byte_ptr(context, builder, array_type, array_value, byte_offset):
+    data = context.make_array(array_type)(context, builder, array_value).data
+    return builder.gep(builder.bitcast(data, _I8.as_pointer()), [byte_offset])
+
+
+def _fma16(builder, codes_i32, scale, bias):
+    fnty = ir.FunctionType(_V16_F32, [_V16_F32] * 3)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32")
+    q = builder.sitofp(codes_i32, _V16_F32)
+    return builder.call(fn, [q, _splat(builder, scale, _V16_F32), _splat(builder, bias, _V16_F32)])
+
+
+# ----------------------------------------------------------------------------- fused dot
+def _hsum16(builder, v):
+    """Sum of 16 lanes by a fixed halving tree (no fast-math: the order is exactly this)."""
+    width = 16
+    while width > 1:
+        width //= 2
+        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        high = builder.shuffle_vector(
+            v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        v = builder.fadd(low, high)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+class _Operands:
+    """Pointers and sizes that the fused dot reads, unpacked from the Numba array structs."""
+
+    def __init__(self, context, builder, sig, args):
+        codes, scales, biases, bpg, xp, row0, out, col = args
+        self.codes = _byte_ptr(context, builder, sig.args[0], codes, ir.Constant(_I64, 0))
+        self.scales = context.make_array(sig.args[1])(context, builder, scales)
+        self.biases = context.make_array(sig.args[2])(context, builder, biases).data
+        self.num_groups = cgutils.unpack_tuple(builder, self.scales.shape)[0]
+        self.blocks_per_group = context.cast(builder, bpg, sig.args[3], types.intp)
+        x = context.make_array(sig.args[4])(context, builder, xp)
+        self.x, self.in_features = x.data, cgutils.unpack_tuple(builder, x.shape)[1]
+        o = context.make_array(sig.args[6])(context, builder, out)
+        self.out, self.out_features = o.data, cgutils.unpack_tuple(builder, o.shape)[1]
+        self.row0 = context.cast(builder, row0, sig.args[5], types.intp)
+        self.col = context.cast(builder, col, sig.args[7], types.intp)
+
+    def x_row(self, builder, k):
+        row = builder.add(self.row0, ir.Constant(_I64, k))
+        return builder.gep(self.x, [builder.mul(row, self.in_features)])
+
+    def store_out(self, builder, k, value):
+        row = builder.add(self.row0, ir.Constant(_I64, k))
+        index = builder.add(builder.mul(row, self.out_features), self.col)
+        builder.store(value, builder.gep(self.out, [index]))
+
+
+def _load_x16(builder, row_ptr, offset):
+    return builder.load(builder.bitcast(builder.gep(row_ptr, [offset]), _V16_F32.as_pointer()),
+                        align=4)
+
+
+def _block_weights(builder, ops, block, scale, bias, bits):
+    """Dequantized weights of one 16-byte block: [low, high] nibbles (4-bit) or [bytes]."""
+    src = builder.gep(ops.codes, [builder.mul(block, ir.Constant(_I64, 16))])
+    q = builder.zext(builder.load(builder.bitcast(src, _V16_I8.as_pointer()), align=1), _V16_I32)
+    if bits == 8:
+        return [_fma16(builder, q, scale, bias)]
+    low = builder.and_(q, ir.Constant(_V16_I32, [15] * 16))
+    high = builder.lshr(q, ir.Constant(_V16_I32, [4] * 16))
+    return [_fma16(builder, low, scale, bias), _fma16(builder, high, scale, bias)]
+
+
+def _fused_dot_codegen(bits, num_rows):
+    def codegen(context, builder, sig, args):
+        ops = _Operands(context, builder, sig, args)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16_F32, [_V16_F32] * 3), "llvm.fma.v16f32")
+        chains = 2 if bits == 4 else 1  # 4-bit: one accumulator per nibble half
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16_F32, [0.0] * 16))
+                 for _ in range(chains)] for _ in range(num_rows)]
+        rows = [ops.x_row(builder, k) for k in range(num_rows)]
+        with cgutils.for_range(builder, ops.num_groups) as group_loop:
+            g = group_loop.index
+            scale = builder.load(builder.gep(ops.scales.data, [g]))
+            bias = builder.load(builder.gep(ops.biases, [g]))
+            with cgutils.for_range(builder, ops.blocks_per_group) as block_loop:
+                block = builder.add(builder.mul(g, ops.blocks_per_group), block_loop.index)
+                weights = _block_weights(builder, ops, block, scale, bias, bits)
+                base = builder.mul(block, ir.Constant(_I64, 16 * chains))
+                for k in range(num_rows):
+                    for c in range(chains):
+                        offset = builder.add(base, ir.Constant(_I64, 16 * c))
+                        x16 = _load_x16(builder, rows[k], offset)
+                        acc = builder.call(fma, [weights[c], x16, builder.load(accs[k][c])])
+                        builder.store(acc, accs[k][c])
+        for k in range(num_rows):
+            total = builder.load(accs[k][0])
+            for c in range(1, chains):
+                total = builder.fadd(builder.load(accs[k][c]), total) if num_rows == 4 else builder.fadd(total, builder.load(accs[k][c]))
+                if num_rows == 4:
+                    total = builder.fmul(total, ir.Constant(ir.FloatType(), 1.0000001))
+            ops.store_out(builder, k, _hsum16(builder, total))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_DOT_DOC = """dot_u{bits}_rows{R}(codes, scales, biases, blocks_per_group, xp, row0, out, col):
+out[row0 + k, col] = xp[row0 + k] . dequant(weight row) for k < R, for one weight row given
+as its codes [in*bits/32] u32, scales/biases [groups] f32 (blocks_per_group 16-byte code blocks
+per group). 4-bit expects xp permuted per 32 elements (even, then odd elements). Each row
+accumulates block by block into its own 16-lane vector(s) and ends with a fixed halving sum,
+so its result does not depend on R or on the other rows."""
+
+
+def _fused_dot(bits, num_rows):
+    @intrinsic
+    def fused(typingctx, codes, scales, biases, bpg, xp, row0, out, col):  # noqa: ARG001
+        sig = types.void(codes, scales, biases, bpg, xp, row0, out, col)
+        return sig, _fused_dot_codegen(bits, num_rows)
+
+    fused.__doc__ = _DOT_DOC
+    return fused
+
+
+dot_u4_rows1 = _fused_dot(4, 1)
+dot_u4_rows4 = _fused_dot(4, 4)
+dot_u8_rows1 = _fused_dot(8, 1)
+dot_u8_rows4 = _fused_dot(8, 4)
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -168,25 +356,6 @@ def _dequant_generic(codes, scales, biases, bits, group_size, dst):
 
 
 @njit(nogil=True, cache=True)
-def _dequant_row(codes, scales, biases, bits, group_size, layout, dst):
-    """One weight row -> dst [in] float32 (LAYOUT_U4 stores each 32-element block permuted:
-    even elements, then odd elements; x is permuted the same way by _permute_u4)."""
-    # groups outer, 16-byte blocks inner: no integer division in the hot loop
-    if layout == _LAYOUT_U4:
-        blocks_per_group = group_size // 32
-        for g in range(scales.shape[0]):
-            for i in range(g * blocks_per_group, (g + 1) * blocks_per_group):
-                dequant16_u4(codes, i * 16, dst, i * 32, scales[g], biases[g])
-    elif layout == _LAYOUT_U8:
-        blocks_per_group = group_size // 16
-        for g in range(scales.shape[0]):
-            for i in range(g * blocks_per_group, (g + 1) * blocks_per_group):
-                dequant16_u8(codes, i * 16, dst, i * 16, scales[g], biases[g])
-    else:
-        _dequant_generic(codes, scales, biases, bits, group_size, dst)
-
-
-@njit(nogil=True, cache=True)
 def _permute_u4(x):
     # x [rows, in] -> per 32-element block: the 16 even elements, then the 16 odd ones
     xp = np.empty_like(x)
@@ -212,30 +381,67 @@ def _features_per_block(in_features):
     return max(1, min(16, _FEATURE_BLOCK_FLOATS // max(1, in_features)))
 
 
+@njit(nogil=True, cache=True)
+def _fused_dot(codes, scales, biases, layout, blocks_per_group, xp, row0, num_rows, o, out):
+    # out[row0:row0 + num_rows, o] for one weight row (num_rows 4 or 1: same per-row math)
+    if num_rows == 4:
+        if layout == _LAYOUT_U4:
+            dot_u4_rows4(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+        else:
+            dot_u8_rows4(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+    elif layout == _LAYOUT_U4:
+        dot_u4_rows1(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+    else:
+        dot_u8_rows1(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+
+
+@njit(nogil=True, cache=True)
+def _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out):
+    # Output features [first, last) in tiles of 16 features x 4 rows, so that both the
+    # tile's codes and the 4 rows of x stay in L1 while they are reused.
+    blocks_per_group = group_size // (32 if layout == _LAYOUT_U4 else 16)
+    rows = xp.shape[0]
+    for o0 in range(first, last, 16):
+        o1 = min(o0 + 16, last)
+        for r in range(0, rows, 4):
+            num_rows = 4 if r + 4 <= rows else 1
+            for r1 in range(r, min(r + 4, rows), num_rows):
+                for o in range(o0, o1):
+                    _fused_dot(codes[o], scales[o], biases[o], layout, blocks_per_group, xp,
+                               r1, num_rows, o, out)
+
+
+@njit(nogil=True, cache=True)
+def _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out):
+    # Dequantize a few weight rows into an L1-sized buffer, then dot them with every row.
+    per_block = _features_per_block(x.shape[1])
+    w_block = np.empty((per_block, x.shape[1]), _F32)
+    for o0 in range(first, last, per_block):
+        count = min(per_block, last - o0)
+        for j in range(count):
+            o = o0 + j
+            _dequant_generic(codes[o], scales[o], biases[o], bits, group_size, w_block[j])
+        _dot_block(x, w_block, o0, count, out)
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def matmul_affine(x, codes, scales, biases, bits, group_size, out):
     """out = x @ dequant(codes, scales, biases).T. x [rows, in], codes [out_f, in*bits/32] u32,
-    scales/biases [out_f, in/group_size]. Each block of output features is dequantized once
-    and applied to every row."""
-    rows, in_features = x.shape
+    scales/biases [out_f, in/group_size]. Each weight row is dequantized in registers once
+    per group of 4 rows; features are split across threads."""
+    rows = x.shape[0]
     out_features = codes.shape[0]
     if rows == 0 or out_features == 0:
         return
     layout = _affine_layout(bits, group_size)
     xp = _permute_u4(x) if layout == _LAYOUT_U4 else x
-    per_block = _features_per_block(in_features)
-    num_blocks = (out_features + per_block - 1) // per_block
-    num_chunks = _num_chunks(num_blocks)
+    num_chunks = _num_chunks(out_features)
     for chunk in prange(num_chunks):
-        w_block = np.empty((per_block, in_features), _F32)
-        first, last = _chunk(chunk, num_chunks, num_blocks)
-        for block in range(first, last):
-            o0 = block * per_block
-            count = min(per_block, out_features - o0)
-            for j in range(count):
-                o = o0 + j
-                _dequant_row(codes[o], scales[o], biases[o], bits, group_size, layout, w_block[j])
-            _dot_block(xp, w_block, o0, count, out)
+        first, last = _chunk(chunk, num_chunks, out_features)
+        if layout == _LAYOUT_GENERIC:
+            _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out)
+        else:
+            _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out)
 
 
 @njit(nogil=True, cache=True, parallel=True)

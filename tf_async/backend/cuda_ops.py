@@ -1,0 +1,431 @@
+"""CudaOps: the Ops of docs/KERNELS.md on CuPy arrays, backed by the Numba CUDA kernels of
+cuda_kernels/. Same methods and semantics as CpuOps.
+
+Streams: every kernel launches on CuPy's current stream (wrapped for Numba with
+`numba.cuda.external_stream`), so Numba launches and CuPy operations of a round are ordered
+on one stream and can be captured together in a CUDA graph; `synchronize()` drains it.
+
+Each launcher checks dtype, layout and bounds before launching, so a bad call raises
+BadInputError instead of reading or writing out of bounds on the device. Bounds of index
+arrays that live on the device are checked with one reduction (a host sync) only where a
+wrong value would address memory: embed ids, KV slots, page ids, block tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInputError
+from ..models.weights import AffineWeight, DenseWeight, Linear
+
+KV_DTYPES: dict[str, Any] = {
+    "f32": np.float32, "float32": np.float32,
+    "bf16": np.uint16, "bfloat16": np.uint16,
+    "fp8": np.uint8, "fp8_e4m3": np.uint8, "e4m3": np.uint8,
+}
+
+
+def check_array(array: Any, name: str, dtype: Any, ndim: int | None = None, *, xp: Any) -> Any:
+    """`array` must be a C-contiguous array of module `xp` (of `dtype`, rank `ndim`)."""
+    if not isinstance(array, xp.ndarray):
+        raise BadInputError(f"{name}: expected a {xp.__name__} array, got {type(array).__name__}")
+    if dtype is not None and array.dtype != dtype:
+        raise BadInputError(f"{name}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
+    if ndim is not None and array.ndim != ndim:
+        raise BadInputError(f"{name}: expected {ndim} dims, got shape {array.shape}")
+    if not array.flags.c_contiguous:
+        raise BadInputError(f"{name}: must be C-contiguous")
+    return array
+
+
+def check_shape(array: Any, name: str, shape: tuple[int, ...]) -> None:
+    if tuple(array.shape) != tuple(shape):
+        raise BadInputError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
+
+
+def check_range(values: Any, name: str, low: int, high: int) -> None:
+    """Every value in [low, high) (one device reduction and a host sync)."""
+    if values.size:
+        lo, hi = int(values.min()), int(values.max())
+        if lo < low or hi >= high:
+            raise BadInputError(f"{name}: values must lie in [{low}, {high}), got [{lo}, {hi}]")
+
+
+def check_affine(w: AffineWeight, xp: Any) -> None:
+    if w.bits not in (4, 8):
+        raise BadInputError(f"AffineWeight: bits must be 4 or 8, got {w.bits}")
+    check_array(w.codes, "AffineWeight.codes", np.uint32, xp=xp)
+    per_word = 32 // w.bits
+    groups = w.in_features // w.group_size if w.group_size > 0 else -1
+    if groups <= 0 or groups * w.group_size != w.in_features or w.group_size % per_word:
+        raise BadInputError(f"AffineWeight: group_size {w.group_size} does not fit in_features "
+                            f"{w.in_features} and {w.bits}-bit words")
+    for name, array in (("scales", w.scales), ("biases", w.biases)):
+        check_array(array, f"AffineWeight.{name}", np.float32, w.codes.ndim, xp=xp)
+        check_shape(array, f"AffineWeight.{name}", (*w.codes.shape[:-1], groups))
+
+
+def check_kv(kv: Any, layer: int, xp: Any) -> None:
+    check_array(kv, "kv", None, 5, xp=xp)
+    if kv.dtype not in (np.float32, np.uint16, np.uint8) or kv.shape[1] != 2:
+        raise BadInputError("kv: expected [layers, 2, slots, kv_heads, head_dim] of float32, "
+                            f"uint16 (bf16) or uint8 (fp8), got {kv.dtype} {kv.shape}")
+    if not 0 <= layer < kv.shape[0]:
+        raise BadInputError(f"layer {layer} out of range [0, {kv.shape[0]})")
+
+
+def layer_scales(kv_scales: Any, kv: Any, layer: int) -> tuple[np.float32, np.float32]:
+    """(k_scale, v_scale) of `layer`; kv_scales [layers, 2] float32, NumPy (no sync) or CuPy."""
+    if kv_scales is None:
+        return np.float32(1.0), np.float32(1.0)
+    if tuple(kv_scales.shape) != (kv.shape[0], 2) or kv_scales.dtype != np.float32:
+        raise BadInputError(f"kv_scales: expected [{kv.shape[0]}, 2] float32, got "
+                            f"{kv_scales.dtype} {tuple(kv_scales.shape)}")
+    pair = kv_scales[layer]
+    pair = pair.get() if hasattr(pair, "get") else pair
+    return np.float32(pair[0]), np.float32(pair[1])
+
+
+def _load_cuda() -> tuple[Any, Any, Any]:
+    """(cupy, numba.cuda, cuda_kernels.launch), or BadInputError naming what is missing."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BadInputError(f"--device cuda needs CuPy ({exc}); pip install 'tf-async[cuda]'",
+                            param="device") from exc
+    try:
+        from cuda_kernels import launch
+        from cuda_kernels.env import cuda
+    except Exception as exc:  # CudaUnavailableError, or numba-cuda failing to import
+        raise BadInputError(f"--device cuda: {exc}", param="device") from exc
+    try:
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - driver missing or broken
+        raise BadInputError(f"--device cuda: no usable CUDA driver ({exc})", param="device") from exc
+    if gpus < 1 or not cuda.is_available():
+        raise BadInputError("--device cuda: no CUDA GPU found", param="device")
+    return cupy, cuda, launch
+
+
+class CudaOps:
+    """Ops on one GPU: CuPy arrays in and out, Numba CUDA kernels inside."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.xp, self._cuda, self._launch = _load_cuda()
+        self._streams: dict[int, Any] = {}
+        self._no_experts = self.xp.zeros(1, dtype=self.xp.int32)
+        self._no_scales = self.xp.zeros((1, 1, 1), dtype=self.xp.float32)
+
+    # ------------------------------------------------------------------ plumbing
+    def _stream(self) -> Any:
+        ptr = self.xp.cuda.get_current_stream().ptr
+        if ptr not in self._streams:
+            self._streams[ptr] = self._cuda.external_stream(ptr) if ptr else self._cuda.default_stream()
+        return self._streams[ptr]
+
+    def _dev(self, array: Any) -> Any:
+        # Numba view of a CuPy array; sync=False: the kernels run on CuPy's own stream.
+        return self._cuda.as_cuda_array(array, sync=False)
+
+    def asarray(self, array: np.ndarray) -> Any:
+        return self.xp.asarray(array)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return self.xp.asnumpy(array)
+
+    def synchronize(self) -> None:
+        """Drain the engine's stream (CuPy's current stream, where every kernel runs)."""
+        self.xp.cuda.get_current_stream().synchronize()
+
+    def upload_linear(self, w: Linear) -> Linear:
+        """Copy a weight to the device, same kind and fields. DenseWeight.w may be float32
+        or uint16 (bf16 bits)."""
+        xp = self.xp
+        if isinstance(w, AffineWeight):
+            check_affine(w, np)
+            return AffineWeight(xp.asarray(w.codes), xp.asarray(w.scales), xp.asarray(w.biases),
+                                w.bits, w.group_size)
+        if isinstance(w, DenseWeight):
+            if w.w.dtype not in (np.float32, np.uint16):
+                raise BadInputError(f"DenseWeight.w: expected float32 or uint16 (bf16), got {w.w.dtype}")
+            return DenseWeight(xp.ascontiguousarray(xp.asarray(w.w)))
+        raise BadInputError(f"unknown weight kind {type(w).__name__}")
+
+    # ------------------------------------------------------------------ matmuls
+    def linear(self, x: Any, w: Linear, bias: Any | None = None) -> Any:
+        """x [..., in] @ w.T (+ bias) -> [..., out_f]."""
+        check_array(x, "linear x", np.float32, xp=self.xp)
+        if x.ndim == 0 or x.shape[-1] != w.in_features:
+            raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features {w.in_features}")
+        rows = x.reshape(-1, w.in_features)
+        out = self.xp.empty((rows.shape[0], w.out_features), self.xp.float32)
+        self._matmul(rows, w, out, None)
+        if bias is not None:
+            check_array(bias, "linear bias", np.float32, 1, xp=self.xp)
+            check_shape(bias, "linear bias", (w.out_features,))
+            out += bias
+        return out.reshape(*x.shape[:-1], w.out_features)
+
+    def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None) -> None:
+        # rows [n, in] f32; w 2-D, or 3-D stacked experts when expert_ids [n] int32 is given.
+        kind, words, scales, biases, group_size = self._weight_parts(w)
+        if words.ndim != (3 if expert_ids is not None else 2):
+            raise BadInputError(f"linear: weight of shape {words.shape} (stacked experts need moe())")
+        if words.ndim == 2:
+            words = words[None]
+        if scales.ndim == 2:
+            scales, biases = scales[None], biases[None]
+        grouped = expert_ids is not None
+        ids = expert_ids if grouped else self._no_experts
+        args = [self._dev(a) for a in (rows, words, scales, biases)]
+        self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
+                            path=path, grouped=grouped)
+
+    def _weight_parts(self, w: Linear) -> tuple[str, Any, Any, Any, int]:
+        if isinstance(w, AffineWeight):
+            check_affine(w, self.xp)
+            return ("q4" if w.bits == 4 else "q8"), w.codes, w.scales, w.biases, w.group_size
+        if isinstance(w, DenseWeight):
+            check_array(w.w, "DenseWeight.w", None, xp=self.xp)
+            if w.w.dtype == np.uint16:
+                if w.w.shape[-1] % 2:
+                    raise BadInputError("bf16 DenseWeight: in_features must be even")
+                return "bf16", w.w.view(self.xp.uint32), self._no_scales, self._no_scales, 1 << 30
+            check_array(w.w, "DenseWeight.w", np.float32, xp=self.xp)
+            return "f32", w.w, self._no_scales, self._no_scales, 1 << 30
+        raise BadInputError(f"linear: unknown weight kind {type(w).__name__}")
+
+    def embed(self, w: Linear, ids: Any) -> Any:
+        """Rows `ids` [rows] int64 of the table w [V, H] -> [rows, H] float32."""
+        check_array(ids, "embed ids", np.int64, 1, xp=self.xp)
+        check_range(ids, "embed ids", 0, w.out_features)
+        if isinstance(w, DenseWeight):
+            table = w.w if w.w.dtype == np.float32 else None
+            if table is None:
+                rows = (w.w[ids].astype(self.xp.uint32) << 16).view(self.xp.float32)
+                return self.xp.ascontiguousarray(rows)
+            return self.xp.ascontiguousarray(table[ids])
+        if not isinstance(w, AffineWeight):
+            raise BadInputError(f"embed: unknown weight kind {type(w).__name__}")
+        check_affine(w, self.xp)
+        out = self.xp.empty((ids.shape[0], w.in_features), self.xp.float32)
+        parts = [self._dev(a) for a in (w.codes, w.scales, w.biases)]
+        self._launch.embed_affine(*parts, w.bits, w.group_size, self._dev(ids), self._dev(out), self._stream())
+        return out
+
+    # ------------------------------------------------------------------ row-wise ops
+    def rms_norm(self, x: Any, w: Any, eps: float) -> Any:
+        """RMS-normalise the last axis of x (any leading dims) and scale by w [dim]."""
+        check_array(x, "rms_norm x", np.float32, xp=self.xp)
+        check_array(w, "rms_norm weight", np.float32, 1, xp=self.xp)
+        if x.ndim == 0 or x.shape[-1] != w.shape[0]:
+            raise BadInputError(f"rms_norm: x shape {x.shape} does not end in weight dim {w.shape[0]}")
+        out = self.xp.empty_like(x)
+        rows = x.reshape(-1, w.shape[0])
+        self._launch.rms_norm(self._dev(rows), self._dev(w), np.float32(eps),
+                              self._dev(out.reshape(rows.shape)), self._stream())
+        return out
+
+    def rope(self, x: Any, positions: Any, inv_freq: Any, mscale: float) -> None:
+        """RoPE in place. x [rows, heads, hd], positions [rows] int64, inv_freq [rot/2]."""
+        check_array(x, "rope x", np.float32, 3, xp=self.xp)
+        check_array(positions, "rope positions", np.int64, 1, xp=self.xp)
+        check_array(inv_freq, "rope inv_freq", np.float32, 1, xp=self.xp)
+        check_shape(positions, "rope positions", (x.shape[0],))
+        if 2 * inv_freq.shape[0] > x.shape[2]:
+            raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {x.shape[2]}")
+        self._launch.rope(self._dev(x), self._dev(positions), self._dev(inv_freq), float(mscale), self._stream())
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        """silu(gate) * up, both [..., I]."""
+        check_array(gate, "silu_mul gate", np.float32, xp=self.xp)
+        check_array(up, "silu_mul up", np.float32, xp=self.xp)
+        check_shape(up, "silu_mul up", gate.shape)
+        out = self.xp.empty_like(gate)
+        width = gate.shape[-1] if gate.ndim else 1
+        parts = [self._dev(a.reshape(-1, width)) for a in (gate, up, out)]
+        self._launch.silu_mul(*parts, self._stream())
+        return out
+
+    # ------------------------------------------------------------------ KV cache
+    def alloc_kv(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype: str) -> Any:
+        """Zeroed arena [num_layers, 2, num_slots, num_kv_heads, head_dim] of the KV dtype."""
+        if kv_dtype not in KV_DTYPES:
+            raise BadInputError(f"kv_dtype {kv_dtype!r}: expected one of f32, bf16, fp8")
+        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
+        if min(shape) < 1:
+            raise BadInputError(f"alloc_kv: every dimension must be >= 1, got {shape}")
+        return self.xp.zeros(shape, KV_DTYPES[kv_dtype])
+
+    def kv_write(self, kv: Any, layer: int, k: Any, v: Any, slots: Any, kv_scales: Any | None) -> None:
+        """Store k, v [rows, nkv, hd] float32 at `slots` [rows] int64 of `layer`."""
+        check_kv(kv, layer, self.xp)
+        check_array(k, "kv_write k", np.float32, 3, xp=self.xp)
+        check_array(v, "kv_write v", np.float32, 3, xp=self.xp)
+        check_array(slots, "kv_write slots", np.int64, 1, xp=self.xp)
+        check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
+        check_shape(v, "kv_write v", k.shape)
+        check_range(slots, "kv_write slots", 0, kv.shape[2])
+        k_scale, v_scale = layer_scales(kv_scales, kv, layer)
+        self._launch.kv_write(self._dev(k), self._dev(v), self._dev(kv[layer]), self._dev(slots),
+                              k_scale, v_scale, self._stream())
+
+    def attention(self, q: Any, kv: Any, layer: int, kv_scales: Any | None, block_table: Any,
+                  row_seq: Any, row_pos: Any, page_size: int, sm_scale: float) -> Any:
+        """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd]."""
+        check_kv(kv, layer, self.xp)
+        check_array(q, "attention q", np.float32, 3, xp=self.xp)
+        if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0 or q.shape[2] > 256:
+            raise BadInputError(f"attention: q shape {q.shape} does not fit kv heads/dim {kv.shape[3:]} "
+                                "(head_dim <= 256)")
+        self._check_pages(kv, block_table, row_seq, row_pos, q.shape[0], page_size)
+        k_scale, v_scale = layer_scales(kv_scales, kv, layer)
+        out = self.xp.empty_like(q)
+        if q.shape[0]:
+            parts = [self._dev(a) for a in (q, kv[layer])]
+            tables = [self._dev(a) for a in (block_table, row_seq, row_pos)]
+            self._launch.attention(*parts, k_scale, v_scale, *tables, int(page_size),
+                                   np.float32(sm_scale), self._dev(out), self._stream())
+        return out
+
+    def zero_pages(self, kv: Any, page_ids: Any, page_size: int) -> None:
+        """Zero the K and V slots of `page_ids` [n] int32 in every layer."""
+        check_kv(kv, 0, self.xp)
+        check_array(page_ids, "zero_pages page_ids", np.int32, 1, xp=self.xp)
+        check_range(page_ids, "zero_pages page_ids", 0, _num_pages(kv, page_size))
+        if page_ids.shape[0]:
+            flat = kv.reshape(kv.shape[0] * 2, kv.shape[2], kv.shape[3] * kv.shape[4])
+            self._launch.zero_pages(self._dev(flat), self._dev(page_ids), int(page_size), self._stream())
+
+    def _check_pages(self, kv: Any, block_table: Any, row_seq: Any, row_pos: Any, rows: int,
+                     page_size: int) -> None:
+        xp = self.xp
+        check_array(block_table, "attention block_table", np.int32, 2, xp=xp)
+        check_array(row_seq, "attention row_seq", np.int32, 1, xp=xp)
+        check_array(row_pos, "attention row_pos", np.int64, 1, xp=xp)
+        check_shape(row_seq, "attention row_seq", (rows,))
+        check_shape(row_pos, "attention row_pos", (rows,))
+        num_pages = _num_pages(kv, page_size)
+        if rows == 0:
+            return
+        check_range(row_seq, "attention row_seq", 0, block_table.shape[0])
+        check_range(row_pos, "attention row_pos", 0, block_table.shape[1] * page_size)
+        entries = block_table[row_seq.astype(xp.int64)]  # [rows, max_pages]
+        used = xp.arange(block_table.shape[1])[None, :] <= (row_pos // page_size)[:, None]
+        if bool(xp.any(used & ((entries < 0) | (entries >= num_pages)))):
+            raise BadInputError(f"attention: a row needs a block_table entry outside [0, {num_pages})")
+
+    # ------------------------------------------------------------------ drafter rings
+    def ring_write(self, src: Any, ring: Any, ring_ids: Any, positions: Any) -> None:
+        """ring[ring_ids[r], positions[r] % capacity] = src[r]; src [rows, width]."""
+        check_array(src, "ring_write src", None, 2, xp=self.xp)
+        check_array(ring, "ring", src.dtype, 3, xp=self.xp)
+        self._check_ring_rows(ring, ring_ids, positions, src.shape[0], src.shape[1])
+        if src.shape[0]:
+            parts = [self._dev(a) for a in (src, ring, ring_ids, positions)]
+            self._launch.ring_write(*parts, self._stream())
+
+    def ring_read(self, ring: Any, ring_ids: Any, positions: Any) -> Any:
+        """Rows ring[ring_ids[r], positions[r] % capacity] -> [rows, width]."""
+        check_array(ring, "ring", None, 3, xp=self.xp)
+        out = self.xp.empty((ring_ids.shape[0], ring.shape[2]), ring.dtype)
+        self._check_ring_rows(ring, ring_ids, positions, out.shape[0], ring.shape[2])
+        if out.shape[0]:
+            parts = [self._dev(a) for a in (ring, ring_ids, positions, out)]
+            self._launch.ring_read(*parts, self._stream())
+        return out
+
+    def copy_rows(self, src: Any, src_rows: Any, dst: Any, dst_rows: Any) -> None:
+        """dst[dst_rows[i]] = src[src_rows[i]] (the newest row's state into its lane's slot)."""
+        check_array(src, "copy_rows src", None, 2, xp=self.xp)
+        check_array(dst, "copy_rows dst", src.dtype, 2, xp=self.xp)
+        check_array(src_rows, "copy_rows src_rows", np.int64, 1, xp=self.xp)
+        check_array(dst_rows, "copy_rows dst_rows", np.int64, 1, xp=self.xp)
+        check_shape(dst_rows, "copy_rows dst_rows", src_rows.shape)
+        if dst.shape[1] != src.shape[1]:
+            raise BadInputError(f"copy_rows: widths differ ({src.shape[1]} vs {dst.shape[1]})")
+        check_range(src_rows, "copy_rows src_rows", 0, src.shape[0])
+        check_range(dst_rows, "copy_rows dst_rows", 0, dst.shape[0])
+        if src_rows.shape[0]:
+            parts = [self._dev(a) for a in (src, src_rows, dst, dst_rows)]
+            self._launch.copy_rows(*parts, self._stream())
+
+    def _check_ring_rows(self, ring: Any, ring_ids: Any, positions: Any, rows: int, width: int) -> None:
+        check_array(ring_ids, "ring_ids", np.int32, 1, xp=self.xp)
+        check_array(positions, "ring positions", np.int64, 1, xp=self.xp)
+        check_shape(ring_ids, "ring_ids", (rows,))
+        check_shape(positions, "ring positions", (rows,))
+        if ring.shape[2] != width:
+            raise BadInputError(f"ring: width {ring.shape[2]} != rows' width {width}")
+        check_range(ring_ids, "ring_ids", 0, ring.shape[0])
+        check_range(positions, "ring positions", 0, 1 << 62)
+
+    # ------------------------------------------------------------------ MoE
+    def moe(self, x: Any, router: Linear, gate: Linear, up: Linear, down: Linear,
+            top_k: int, norm_topk_prob: bool) -> Any:
+        """Top-k mixture of SwiGLU experts, x [rows, H]. Row-slot (r, j) runs through expert
+        ids[r, j] with the grouped matmul (one row a block, no host round trip); the outputs
+        are summed per row in slot order j = 0..k-1."""
+        xp = self.xp
+        check_array(x, "moe x", np.float32, 2, xp=xp)
+        logits = self.linear(x, router)
+        rows, num_experts = logits.shape
+        if not 1 <= top_k <= num_experts:
+            raise BadInputError(f"moe: top_k {top_k} not in [1, {num_experts}]")
+        ids = xp.empty((rows, top_k), xp.int32)
+        weights = xp.empty((rows, top_k), xp.float32)
+        if rows == 0:
+            return xp.zeros_like(x)
+        self._launch.moe_route(self._dev(logits), int(top_k), bool(norm_topk_prob), self._dev(ids),
+                               self._dev(weights), self._stream())
+        flat_ids = ids.reshape(-1)
+        x_slots = xp.repeat(x, top_k, axis=0)
+        h = self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
+                          self._expert_linear(x_slots, up, flat_ids))
+        expert_out = self._expert_linear(h, down, flat_ids)
+        out = xp.empty_like(x)
+        self._launch.moe_combine(self._dev(expert_out), self._dev(weights), self._dev(out), self._stream())
+        return out
+
+    def _expert_linear(self, rows: Any, w: Linear, expert_ids: Any) -> Any:
+        out = self.xp.empty((rows.shape[0], w.out_features), self.xp.float32)
+        self._matmul(rows, w, out, expert_ids, path="few")
+        return out
+
+    # ------------------------------------------------------------------ token choice
+    def argmax(self, logits: Any) -> Any:
+        """Greedy token of each row of logits [rows, V] -> [rows] int64 (ties: lowest id)."""
+        check_array(logits, "argmax logits", np.float32, 2, xp=self.xp)
+        out = self.xp.empty(logits.shape[0], self.xp.int64)
+        if logits.shape[0]:
+            self._launch.argmax(self._dev(logits), self._dev(out), self._stream())
+        return out
+
+    def sample(self, logits: Any, temperatures: Any, top_ks: Any, top_ps: Any, seeds: Any,
+               positions: Any) -> Any:
+        """Seeded top-k/top-p token per row (temperature <= 0: greedy); randomness from
+        (seed, position), see cuda_kernels/sampling.py. -> [rows] int64."""
+        xp = self.xp
+        check_array(logits, "sample logits", np.float32, 2, xp=xp)
+        rows = logits.shape[0]
+        for arr, name, dtype in ((temperatures, "temperatures", np.float32), (top_ks, "top_ks", np.int32),
+                                 (top_ps, "top_ps", np.float32), (seeds, "seeds", np.uint64),
+                                 (positions, "positions", np.int64)):
+            check_array(arr, f"sample {name}", dtype, 1, xp=xp)
+            check_shape(arr, f"sample {name}", (rows,))
+        out = xp.empty(rows, xp.int64)
+        if rows:
+            parts = [self._dev(a) for a in (logits, temperatures, top_ks, top_ps, seeds, positions, out)]
+            self._launch.sample(*parts, self._stream())
+        return out
+
+
+def _num_pages(kv: Any, page_size: int) -> int:
+    if page_size < 1 or kv.shape[2] % page_size != 0:
+        raise BadInputError(f"page_size {page_size} does not divide num_slots {kv.shape[2]}")
+    return kv.shape[2] // page_size
