@@ -1,4 +1,4 @@
-"""Throughput of the CPU matmul kernels at SmolLM2-135M shapes vs the machine's memory
+"""Throughput of the CPU matmul and attention kernels at SmolLM2-135M shapes vs the machine's memory
 bandwidth (a large NumPy copy measured in the same run).
 
     python benchmarks/bench_cpu_kernels.py [--reps N]
@@ -73,6 +73,23 @@ def bench_dense(out_f: int, in_f: int, reps: int, rng: np.random.Generator) -> N
         report(f"dense {out_f}x{in_f}", rows, t, w.nbytes, 2 * rows * in_f * out_f)
 
 
+def bench_attention(reps: int, rng: np.random.Generator) -> None:
+    """Decode attention of one row (SmolLM2: 9 heads, 3 KV heads, head_dim 64) over f32 KV."""
+    page_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    kv_layer = rng.standard_normal((2, 4096, num_kv_heads, head_dim)).astype(np.float32)
+    block_table = np.arange(4096 // page_size, dtype=np.int32)[None]
+    q = rng.standard_normal((1, num_heads, head_dim)).astype(np.float32)
+    out = np.empty_like(q)
+    for num_keys in (100, 1000, 4000):
+        pos = np.array([num_keys - 1], np.int64)
+        t = seconds_per_call(lambda pos=pos: kernels.paged_attention(
+            q, kv_layer, 1.0, 1.0, block_table, np.zeros(1, np.int32), pos, page_size, 0.125,
+            out), max(1, reps // 4))
+        kv_bytes = 2 * num_keys * num_kv_heads * head_dim * 4
+        report(f"attention f32 ctx {num_keys}", 1, t, kv_bytes,
+               4 * num_keys * num_heads * head_dim)
+
+
 def report(name: str, rows: int, seconds: float, num_bytes: int, flops: int) -> None:
     print(f"{name:<22} {rows:>5} {seconds * 1e6:>10.1f} {num_bytes / seconds / 1e9:>8.2f} "
           f"{flops / seconds / 1e9:>9.2f}")
@@ -88,6 +105,7 @@ def main() -> None:
     for out_f, in_f, bits in SHAPES:
         bench_affine(out_f, in_f, bits, args.reps, rng)
     bench_dense(576, 1536, args.reps, rng)
+    bench_attention(args.reps, rng)
 
 
 if __name__ == "__main__":

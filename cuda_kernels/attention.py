@@ -115,10 +115,11 @@ def _make_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
     load_tile = _make_tile_loader(_LOADERS[kind], key_tile)
     softmax_step = _make_softmax_step(key_tile)
     max_pairs = MAX_HEADS_PER_BLOCK * max_hd // ATTN_THREADS
+    padded_hd = max_hd + 1  # a padded K row: score reads of 32 keys hit 32 banks
 
     @cuda.jit
     def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, heads_blk, out):  # noqa: ANN001, ANN202
-        ks = cuda.shared.array((key_tile, max_hd + 1), np.float32)
+        ks = cuda.shared.array((key_tile, padded_hd), np.float32)
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
         qs = cuda.shared.array((MAX_HEADS_PER_BLOCK, max_hd), np.float32)
         ps = cuda.shared.array((MAX_HEADS_PER_BLOCK, key_tile), np.float32)

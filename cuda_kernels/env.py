@@ -41,7 +41,17 @@ def _import_cuda():  # noqa: ANN202 - returns the numba.cuda module
         raise CudaUnavailableError(
             f"numba-cuda is not installed ({exc}); install it with pip install 'tf-async[cuda]'"
         ) from exc
+    _quiet_small_grids()
     return numba_cuda
+
+
+def _quiet_small_grids() -> None:
+    # Decode launches are small grids by design (a few rows); numba-cuda would warn on each.
+    try:
+        from numba.cuda.core import config as cuda_config
+    except ImportError:
+        return
+    cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 
 cuda = _import_cuda()

@@ -28,6 +28,7 @@ import numpy as np
 from cuda_kernels.env import cuda, float_as_int
 
 SAMPLE_THREADS = 256
+_FBUF_SIZE = SAMPLE_THREADS + 2  # partials, then the owner's prefix and the owner thread
 NEG_INF = np.float32(-np.inf)
 _MASK64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -231,7 +232,7 @@ def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out):  # noqa
     # seeds: [rows] u64; positions: [rows] i64; out: [rows] i64. grid (rows,)
     vbuf = cuda.shared.array(SAMPLE_THREADS, np.float32)
     ibuf = cuda.shared.array(SAMPLE_THREADS, np.int64)
-    fbuf = cuda.shared.array(SAMPLE_THREADS + 2, np.float32)
+    fbuf = cuda.shared.array(_FBUF_SIZE, np.float32)
     row = cuda.blockIdx.x
     temperature = temperatures[row]
     best_v, best_i = _block_argmax(logits, row, vbuf, ibuf)

@@ -30,3 +30,11 @@ def default_checkpoint():
     from tf_async.models.loader import load_checkpoint
 
     return load_checkpoint(default_model_path())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One Numba worker per kernel call in tests: the event loop, the engine thread and the
+    # test clients share two cores, and spinning workers there slow everything down tenfold.
+    import os
+
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")

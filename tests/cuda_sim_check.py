@@ -367,7 +367,8 @@ def check_sampling(rng: np.random.Generator) -> None:
 
 def _sample_ref(logits: np.ndarray, temp: float, top_k: int, top_p: float, u: float) -> int:
     z = logits.astype(np.float64) / temp
-    order = np.argsort(-z, kind="stable")[:top_k]
+    order = np.argsort(-z, kind="stable")
+    order = order[:top_k] if top_k > 0 else order
     p = np.exp(z[order] - z[order[0]])
     keep = np.searchsorted(np.cumsum(p) / p.sum(), top_p) + 1
     kept = order[:keep]
@@ -375,6 +376,51 @@ def _sample_ref(logits: np.ndarray, temp: float, top_k: int, top_p: float, u: fl
     kept = kept[np.lexsort((kept, kept % 256))]
     pk = np.exp(z[kept] - z.max())
     return int(kept[np.searchsorted(np.cumsum(pk), u * pk.sum(), side="right")])
+
+
+def check_cpu_twins(rng: np.random.Generator) -> None:
+    """Same inputs through the CPU twins (tf_async/backend/cpu/kernels.py): conversions
+    bit-identical, arithmetic within float32 rounding."""
+    from cuda_kernels import launch
+    from tf_async.backend.cpu import kernels as cpu
+
+    k = (rng.standard_normal((2, 2, 8)) * 30).astype(np.float32)
+    v = (rng.standard_normal((2, 2, 8)) * 30).astype(np.float32)
+    slots = np.array([3, 1], np.int64)
+    for dtype in (np.uint16, np.uint8):
+        dev = np.zeros((2, 5, 2, 8), dtype)
+        host = np.zeros_like(dev)
+        launch.kv_write(k, v, dev, slots, np.float32(0.5), np.float32(0.25))
+        cpu.kv_write(k, v, host, slots, 0.5, 0.25)
+        assert np.array_equal(dev, host), dtype
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    codes, scales, biases, _ = affine_weight(rng, 1, 6, 128, 4, 32)
+    dev = np.full((2, 6), np.nan, np.float32)
+    host = np.full((2, 6), np.nan, np.float32)
+    launch.matmul("q4", x, codes, scales, biases, 32, np.zeros(1, np.int32), dev)
+    cpu.matmul_affine(x, codes[0], scales[0], biases[0], 4, 32, host)
+    assert rel_err(dev, host) < 1e-5
+    _check_cpu_attention_and_route(rng)
+
+
+def _check_cpu_attention_and_route(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+    from tf_async.backend.cpu import kernels as cpu
+
+    block_table, kv = paged_setup(rng, seqs=1, max_pages=3, page_size=4, nkv=1, hd=8)
+    kv = bf16_bits_ref(kv)
+    q = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    args = (np.float32(1), np.float32(1), block_table, np.zeros(2, np.int32), np.array([3, 9], np.int64), 4)
+    dev, host = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    launch.attention(q, kv, *args, np.float32(0.3), dev)
+    cpu.paged_attention(q, kv, 1.0, 1.0, *args[2:], 0.3, host)
+    assert rel_err(dev, host) < 1e-5
+    logits = rng.standard_normal((3, 6)).astype(np.float32)
+    ids_dev, ids_host = np.zeros((3, 2), np.int32), np.zeros((3, 2), np.int32)
+    w_dev, w_host = np.zeros((3, 2), np.float32), np.zeros((3, 2), np.float32)
+    launch.moe_route(logits, 2, True, ids_dev, w_dev)
+    cpu.moe_route(logits, 2, True, ids_host, w_host)
+    assert np.array_equal(ids_dev, ids_host) and rel_err(w_dev, w_host) < 1e-6
 
 
 CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
@@ -389,6 +435,7 @@ CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "norm_rope_silu": check_norm_rope_silu,
     "moe": check_moe,
     "sampling": check_sampling,
+    "cpu_twins": check_cpu_twins,
 }
 
 

@@ -307,6 +307,26 @@ def test_paged_attention_reference_invariance_and_paging(kv_dtype: str) -> None:
     assert np.array_equal(run(np.arange(7), kv_c, table_of(CONTIGUOUS)), out)
 
 
+def test_long_attention_parallel_path_matches_single_rows() -> None:
+    # The full call is big enough to run threaded; a short row alone runs serially.
+    rng = rng_for(16)
+    page_size, positions = 16, np.array([599, 10, 300, 598], np.int64)
+    kv = OPS.alloc_kv(1, 40 * page_size, 2, 64, "bf16")
+    pages = rng.permutation(40).astype(np.int32)
+    slots = pages[np.arange(600) // page_size].astype(np.int64) * page_size + np.arange(600) % 16
+    OPS.kv_write(kv, 0, randn(rng, 600, 2, 64), randn(rng, 600, 2, 64), slots, None)
+    q, row_seq = randn(rng, 4, 8, 64), np.zeros(4, np.int32)
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        return OPS.attention(q[rows], kv, 0, None, pages[None], row_seq[rows], positions[rows],
+                             page_size, 0.125)
+
+    ref = attention_reference(q, kv[0], (1.0, 1.0), pages[None], row_seq, positions, page_size,
+                              0.125)
+    np.testing.assert_allclose(run(np.arange(4)), ref, rtol=1e-4, atol=1e-5)
+    assert_batch_invariant(run, 4)
+
+
 # --------------------------------------------------------------------------- MoE
 def test_moe_route_ties_order_and_normalisation() -> None:
     logits = np.array([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
@@ -370,6 +390,11 @@ def test_ops_reject_bad_arguments() -> None:
     bad = AffineWeight(w.codes, w.scales[:, :1].copy(), w.biases, 4, 32)
     with pytest.raises(ValueError, match="scales"):
         OPS.linear(x, bad)
+    with pytest.raises(ValueError, match="scales"):
+        CpuOps().upload_linear(bad)
+    ops = CpuOps()
+    assert ops.upload_linear(w) is w
+    assert np.array_equal(ops.linear(x, w), OPS.linear(x, w))
     with pytest.raises(ValueError, match="embed ids"):
         OPS.embed(w, np.array([8], np.int64))
     kv = OPS.alloc_kv(1, 8, 1, 4, "f32")

@@ -282,9 +282,9 @@ async def test_disconnect_mid_decode_releases_the_lane(engine, base_url):
 
 
 async def test_slow_reader_does_not_stall_the_engine(engine, base_url, client):
-    expected = await engine.complete("slow", max_tokens=200, temperature=0.0, ignore_eos=True,
+    expected = await engine.complete("slow", max_tokens=100, temperature=0.0, ignore_eos=True,
                                      logprobs=20)
-    body = {"model": MODEL_NAME, "prompt": "slow", "max_tokens": 200, "temperature": 0,
+    body = {"model": MODEL_NAME, "prompt": "slow", "max_tokens": 100, "temperature": 0,
             "stream": True, "ignore_eos": True, "logprobs": 20}
     async with aiohttp.ClientSession() as session:
         slow = await session.post(base_url + "/v1/completions", json=body)  # headers only

@@ -45,10 +45,12 @@ def sampling(mode: str, index: int, max_tokens: int) -> dict[str, Any]:
 
 
 async def generate(engine: Engine, prompts: list[str], mode: str, max_tokens: int,
-                   *, concurrent: bool) -> list[list[int]]:
-    """Token ids for each prompt, run all at once or one at a time."""
+                   *, concurrent: bool, seeds: list[int] | None = None) -> list[list[int]]:
+    """Token ids for each prompt, run all at once or one at a time (seed i+1000 unless given)."""
+    seeds = seeds if seeds is not None else list(range(len(prompts)))
+
     async def one(i: int, prompt: str) -> list[int]:
-        done = await engine.complete(prompt, **sampling(mode, i, max_tokens))
+        done = await engine.complete(prompt, **sampling(mode, seeds[i], max_tokens))
         return done.token_ids
 
     if concurrent:
@@ -74,10 +76,12 @@ async def run_gates(model: str | Checkpoint | None, *, device: str = "auto", kv_
         async with Engine(ckpt, parallel=1, step_tokens=512, **base) as solo_engine:
             solo = await generate(solo_engine, plist, mode, max_tokens, concurrent=False)
         for n in (1, 2, 4, 8):
+            picks = [i % len(plist) for i in range(n)]  # fewer prompts than streams: repeat them
             async with Engine(ckpt, parallel=n, step_tokens=64, **base) as eng:
-                got = await generate(eng, plist[:n], mode, max_tokens, concurrent=True)
+                got = await generate(eng, [plist[i] for i in picks], mode, max_tokens,
+                                     concurrent=True, seeds=picks)
                 idle[f"concurrent{n}-{mode}"] = eng.stats()
-            rows.append(GateRow(f"concurrent == solo ({n})", mode, _count(got, solo[:n]), n))
+            rows.append(GateRow(f"concurrent == solo ({n})", mode, _count(got, [solo[i] for i in picks]), n))
         async with Engine(ckpt, parallel=4, paging=False, step_tokens=64, **base) as eng:
             got = await generate(eng, plist, mode, max_tokens, concurrent=True)
             idle[f"contiguous-{mode}"] = eng.stats()

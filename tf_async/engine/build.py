@@ -74,7 +74,7 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     runs = Runs(paging=options["paging"], num_lanes=num_lanes, pages_per_lane=per_lane,
                 page_size=options["page_size"], num_pages=num_pages)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options["page_size"],
-                  kv_dtype=options["kv_dtype"], kv_scales=_kv_scales(decoder, ckpt, options["kv_dtype"]))
+                  kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"])
     runner = Runner(decoder, arena)
@@ -89,7 +89,8 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
 
 
-def _kv_scales(decoder: Decoder, ckpt: Checkpoint, kv_dtype: str):  # noqa: ANN202
+def kv_scales_for(decoder: Decoder, ckpt: Checkpoint, kv_dtype: str):  # noqa: ANN201
+    """Per-layer fp8 K/V scales calibrated on the model, or None for f32/bf16."""
     if kv_dtype != "fp8":
         return None
     from .calibrate import CALIBRATION_TEXT, fp8_kv_scales

@@ -118,6 +118,7 @@ class EngineCore:
             "queued": len(sched.waiting),
             "running": len(sched.running),
             "rounds": self.num_rounds,
+            **sched.drafter_stats(),
         }
         by_lane = {s.lane: s for s in sched.running if s.lane is not None}
         self.lane_snapshot = [self._lane_info(lane, by_lane.get(lane)) for lane in range(lanes.num_lanes)]

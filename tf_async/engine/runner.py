@@ -30,10 +30,18 @@ class Arena:
                                cfg.head_dim, kv_dtype)
         scales = np.ones((cfg.num_layers, 2), np.float32) if kv_scales is None else kv_scales
         self.kv_scales = ops.asarray(scales.astype(np.float32))
+        self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
+
+    def add_drafter_region(self, region):  # noqa: ANN001, ANN201 - an Array of uint8
+        """Attach the drafter areas' byte region; done once at engine start."""
+        assert self.drafter_region is None, "the drafter region is allocated once"
+        self.drafter_region = region
+        return region
 
     @property
     def num_bytes(self) -> int:
-        return int(self.kv.nbytes)
+        extra = 0 if self.drafter_region is None else int(self.drafter_region.nbytes)
+        return int(self.kv.nbytes) + extra
 
 
 class Runner:

@@ -8,11 +8,15 @@ its prompt + output so far), so the engine never deadlocks and never corrupts a 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ..api_types import SamplingParams
 from .lanes import Lanes
 from .sampling import apply_penalties, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
+
+if TYPE_CHECKING:
+    from .drafting import Drafter
 
 
 class Scheduler:
@@ -26,7 +30,7 @@ class Scheduler:
         self.round_index = 0
         self._num_admissions = 0
         self.num_preemptions = 0
-        self.drafter = None  # set by the engine when drafting is on (engine/drafting.py)
+        self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafting.py)
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -95,8 +99,9 @@ class Scheduler:
             self.running.append(seq)
 
     def _decode_rows(self, seq: Sequence, pages_to_zero: list[int]) -> SeqRows | None:
-        drafts = self.drafter.propose(seq) if self.drafter is not None else ()
-        drafts = tuple(drafts[: max(0, self._room_for_drafts(seq))])
+        room = max(0, self._room_for_drafts(seq))
+        drafts = self.drafter.propose(seq, room) if self.drafter is not None else ()
+        drafts = tuple(drafts[:room])
         new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1 + len(drafts))
         if new_pages is None and drafts:  # out of pages: drop the drafts first
             drafts = ()
@@ -155,11 +160,30 @@ class Scheduler:
                 continue
             if rows.request_id in result.failed:
                 events.append(self.finish(seq, None, error=result.failed[rows.request_id]))
-                continue
+                continue  # the drafter is not open yet after a failed first step
+            if rows.start_pos == 0 and self.drafter is not None:
+                error = self._open_drafter(seq)
+                if error is not None:  # releases the lane, and with it the drafter
+                    events.append(self.finish(seq, None, error=error))
+                    continue
             seq.num_computed += len(rows.token_ids)
             if rows.num_logit_rows:
                 events.append(self._accept(seq, rows, result))
         return events
+
+    def _open_drafter(self, seq: Sequence) -> str | None:
+        """After the target's first step (its lane's run exists), before its rows are taken."""
+        assert self.drafter is not None
+        try:
+            self.drafter.open(seq)
+        except Exception as exc:  # noqa: BLE001 - a failed open fails this request only
+            return f"drafter open failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def drafter_stats(self) -> dict[str, int]:
+        from .drafting import zero_stats
+
+        return self.drafter.stats() if self.drafter is not None else zero_stats()
 
     def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:
         """Sample at each logit row; keep drafts while they equal the target's own choice."""
@@ -179,9 +203,10 @@ class Scheduler:
         seq.num_drafted += len(rows.draft_ids)
         seq.num_accepted += len(new_ids) - 1
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
-        seq.num_computed = rows.start_pos + len(new_ids)
+        # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
+        seq.num_computed = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + len(new_ids)
         if self.drafter is not None:
-            self.drafter.absorb(seq, rows, len(new_ids))
+            self.drafter.absorb(seq, rows, len(new_ids), result.hidden.get(seq.request_id))
         lp = tuple(logprobs) if seq.params.logprobs is not None else None
         if finish:
             return self.finish(seq, finish, new_ids=new_ids, logprobs=lp)

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from ..errors import BadInputError, QueueFullError
 from .app import DEFAULT_MAX_BODY_BYTES, create_app, start_server
 
 log = logging.getLogger("tf_async.server")
@@ -113,6 +114,10 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+class ChatError(RuntimeError):
+    """The server refused or failed a chat (the message says why)."""
+
+
 class WsChatClient:
     """Chats over /v1/chat/ws; one reply at a time, cancel by id."""
 
@@ -148,7 +153,7 @@ class WsChatClient:
                 if msg["type"] == "delta":
                     yield msg["text"]
                 elif msg["type"] == "error":
-                    raise RuntimeError(msg["error"]["message"])
+                    raise ChatError(msg["error"]["message"])
                 else:
                     return
         except (asyncio.CancelledError, GeneratorExit):
@@ -194,8 +199,12 @@ class ChatSession:
                 pieces.append(piece)
                 out.write(piece)
                 out.flush()
+        except (ChatError, BadInputError, QueueFullError):
+            self.history.pop()  # the turn got no reply: forget it
+            raise
         finally:
-            self.history.append({"role": "assistant", "content": "".join(pieces)})
+            if self.history and self.history[-1]["role"] == "user":  # finished or stopped
+                self.history.append({"role": "assistant", "content": "".join(pieces)})
             out.write("\n")
         return "".join(pieces)
 
@@ -239,8 +248,12 @@ async def _chat_loop(session: ChatSession, stdin: TextIO = sys.stdin,
                 return  # EOF
             if line.strip():
                 current["reply"] = asyncio.create_task(session.ask(line.strip(), stdout))
-                with contextlib.suppress(asyncio.CancelledError):
-                    await current["reply"]  # Ctrl-C stops this reply only
+                try:
+                    await current["reply"]
+                except asyncio.CancelledError:
+                    pass  # Ctrl-C stops this reply only
+                except (ChatError, BadInputError, QueueFullError) as exc:
+                    print(f"error: {exc}", file=sys.stderr)
                 current.pop("reply", None)
     finally:
         loop.remove_signal_handler(signal.SIGINT)

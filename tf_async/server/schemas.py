@@ -285,7 +285,7 @@ _UNKNOWN_RE = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`"
 _decoders: dict[type, msgspec.json.Decoder] = {}
 
 
-def decode(body: bytes, kind: type[Any]) -> Any:
+def decode(body: bytes, kind: Any) -> Any:
     """Decode a JSON body into `kind`; raise BadInputError naming the bad field."""
     decoder = _decoders.get(kind)
     if decoder is None:

@@ -20,6 +20,7 @@ from numba.extending import intrinsic, overload
 _F32 = np.float32
 _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in L1)
 _MAX_CHUNKS = 32
+_PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread
 _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
 
 
@@ -178,9 +179,7 @@ def _fused_dot_codegen(bits, num_rows):
         for k in range(num_rows):
             total = builder.load(accs[k][0])
             for c in range(1, chains):
-                total = builder.fadd(builder.load(accs[k][c]), total) if num_rows == 4 else builder.fadd(total, builder.load(accs[k][c]))
-                if num_rows == 4:
-                    total = builder.fmul(total, ir.Constant(ir.FloatType(), 1.0000001))
+                total = builder.fadd(total, builder.load(accs[k][c]))
             ops.store_out(builder, k, _hsum16(builder, total))
         return context.get_dummy_value()
 
@@ -312,6 +311,32 @@ def _dot(a, b):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
+def _sum(a):
+    acc = _F32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i]
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def _exp32(x):
+    """float32 e**x in plain arithmetic, so loops calling it vectorise (Cephes expf scheme:
+    2**n * poly(r), about 1 ulp). Inputs are clamped to [-87.3, 88]: tiny results become
+    ~1.2e-38 instead of 0 and results beyond e**88 stay e**88 (never inf)."""
+    x = min(max(x, _F32(-87.33)), _F32(88.0))
+    n = np.floor(x * _F32(1.44269504) + _F32(0.5))
+    r = x - n * _F32(0.693359375) - n * _F32(-2.12194440e-4)
+    p = _F32(1.9875691500e-4)
+    p = p * r + _F32(1.3981999507e-3)
+    p = p * r + _F32(8.3334519073e-3)
+    p = p * r + _F32(4.1665795894e-2)
+    p = p * r + _F32(1.6666665459e-1)
+    p = p * r + _F32(5.0000001201e-1)
+    p = p * (r * r) + r + _F32(1.0)
+    return p * u32_as_f32(np.uint32((np.int32(n) + 127) << 23))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
 def _sum_squares(a):
     acc = _F32(0.0)
     for i in range(a.shape[0]):
@@ -424,42 +449,66 @@ def _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, las
         _dot_block(x, w_block, o0, count, out)
 
 
+@njit(nogil=True, cache=True)
+def _affine_chunk(chunk, num_chunks, x, xp, codes, scales, biases, bits, group_size, layout, out):
+    first, last = _chunk(chunk, num_chunks, codes.shape[0])
+    if layout == _LAYOUT_GENERIC:
+        _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out)
+    else:
+        _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out)
+
+
 @njit(nogil=True, cache=True, parallel=True)
+def _affine_parallel(x, xp, codes, scales, biases, bits, group_size, layout, out):
+    num_chunks = _num_chunks(codes.shape[0])
+    for chunk in prange(num_chunks):
+        _affine_chunk(chunk, num_chunks, x, xp, codes, scales, biases, bits, group_size, layout,
+                      out)
+
+
+@njit(nogil=True, cache=True)
 def matmul_affine(x, codes, scales, biases, bits, group_size, out):
     """out = x @ dequant(codes, scales, biases).T. x [rows, in], codes [out_f, in*bits/32] u32,
     scales/biases [out_f, in/group_size]. Each weight row is dequantized in registers once
-    per group of 4 rows; features are split across threads."""
-    rows = x.shape[0]
+    per group of 4 rows; features are split across threads when the call is big enough
+    (the per-row arithmetic is the same either way)."""
+    rows, in_features = x.shape
     out_features = codes.shape[0]
     if rows == 0 or out_features == 0:
         return
     layout = _affine_layout(bits, group_size)
     xp = _permute_u4(x) if layout == _LAYOUT_U4 else x
-    num_chunks = _num_chunks(out_features)
-    for chunk in prange(num_chunks):
-        first, last = _chunk(chunk, num_chunks, out_features)
-        if layout == _LAYOUT_GENERIC:
-            _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out)
-        else:
-            _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out)
+    if rows * out_features * in_features >= _PARALLEL_MIN_WORK:
+        _affine_parallel(x, xp, codes, scales, biases, bits, group_size, layout, out)
+    else:
+        _affine_chunk(0, 1, x, xp, codes, scales, biases, bits, group_size, layout, out)
+
+
+@njit(nogil=True, cache=True)
+def _dense_chunk(chunk, num_chunks, x, w, out):
+    per_block = _features_per_block(w.shape[1])
+    first, last = _chunk(chunk, num_chunks, w.shape[0])
+    for o0 in range(first, last, per_block):
+        count = min(per_block, last - o0)
+        _dot_block(x, w[o0:o0 + count], o0, count, out)
 
 
 @njit(nogil=True, cache=True, parallel=True)
+def _dense_parallel(x, w, out):
+    num_chunks = _num_chunks(w.shape[0])
+    for chunk in prange(num_chunks):
+        _dense_chunk(chunk, num_chunks, x, w, out)
+
+
+@njit(nogil=True, cache=True)
 def matmul_dense(x, w, out):
     """out = x @ w.T. x [rows, in], w [out_f, in] float32."""
-    rows = x.shape[0]
-    out_features = w.shape[0]
-    if rows == 0 or out_features == 0:
+    if x.shape[0] == 0 or w.shape[0] == 0:
         return
-    per_block = _features_per_block(w.shape[1])
-    num_blocks = (out_features + per_block - 1) // per_block
-    num_chunks = _num_chunks(num_blocks)
-    for chunk in prange(num_chunks):
-        first, last = _chunk(chunk, num_chunks, num_blocks)
-        for block in range(first, last):
-            o0 = block * per_block
-            count = min(per_block, out_features - o0)
-            _dot_block(x, w[o0:o0 + count], o0, count, out)
+    if x.shape[0] * w.shape[0] * w.shape[1] >= _PARALLEL_MIN_WORK:
+        _dense_parallel(x, w, out)
+    else:
+        _dense_chunk(0, 1, x, w, out)
 
 
 @njit(nogil=True, cache=True)
@@ -519,7 +568,7 @@ def silu_mul(gate, up, out):
     for r in range(gate.shape[0]):
         for i in range(gate.shape[1]):
             g = gate[r, i]
-            out[r, i] = g / (_F32(1.0) + np.exp(-g)) * up[r, i]
+            out[r, i] = g / (_F32(1.0) + _exp32(-g)) * up[r, i]
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -547,81 +596,104 @@ def zero_pages(kv, page_ids, page_size):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _key_score(q_row, kv_layer, slot, kv_head, k_scale):
-    # q_row [hd] . K[slot, kv_head] (converted to float32)
+def _dot_kv(q_row, k_row, k_scale):
+    # q_row [hd] float32 . k_row [hd] stored KV (converted to float32)
     acc = _F32(0.0)
     for d in range(q_row.shape[0]):
-        acc += q_row[d] * _kv_load(kv_layer[0, slot, kv_head, d], k_scale)
+        acc += q_row[d] * _kv_load(k_row[d], k_scale)
     return acc
 
 
 @njit(nogil=True, cache=True)
-def _add_value(acc, p, kv_layer, slot, kv_head, v_scale):
-    # acc [hd] += p * V[slot, kv_head]; one key at a time, in ascending position
+def _add_value(acc, p, v_row, v_scale):
+    # acc [hd] += p * v_row; called once per key, in ascending position
     for d in range(acc.shape[0]):
-        acc[d] += p * _kv_load(kv_layer[1, slot, kv_head, d], v_scale)
+        acc[d] += p * _kv_load(v_row[d], v_scale)
 
 
 @njit(nogil=True, cache=True)
-def _slot(block_table, seq, pos, page_size):
-    return np.int64(block_table[seq, pos // page_size]) * page_size + pos % page_size
+def _key_scores(q_row, kv_layer, k_scale, pages, num_keys, page_size, kv_head, sm_scale,
+                scores):
+    # scores[j] = q . K[j] * sm_scale for positions j < num_keys; pages: the stream's table row
+    for first in range(0, num_keys, page_size):
+        base = np.int64(pages[first // page_size]) * page_size
+        for i in range(min(page_size, num_keys - first)):
+            scores[first + i] = _dot_kv(q_row, kv_layer[0, base + i, kv_head], k_scale) * sm_scale
+
+
+@njit(nogil=True, cache=True)
+def _weighted_values(probs, kv_layer, v_scale, pages, num_keys, page_size, kv_head, acc):
+    acc[:] = 0
+    for first in range(0, num_keys, page_size):
+        base = np.int64(pages[first // page_size]) * page_size
+        for i in range(min(page_size, num_keys - first)):
+            _add_value(acc, probs[first + i], kv_layer[1, base + i, kv_head], v_scale)
 
 
 @njit(nogil=True, cache=True)
 def _softmax_in_place(scores, num_keys):
-    # scores[:num_keys] -> exp(s - max); returns the sum (sequential, ascending)
+    # scores[:num_keys] -> exp(s - max); returns their sum
     peak = scores[0]
     for j in range(1, num_keys):
         peak = max(peak, scores[j])
-    total = _F32(0.0)
     for j in range(num_keys):
-        p = np.exp(scores[j] - peak)
-        scores[j] = p
-        total += p
-    return total
+        scores[j] = _exp32(scores[j] - peak)
+    return _sum(scores[:num_keys])
 
 
 @njit(nogil=True, cache=True)
-def _attend_one(q, kv_layer, scales, block_table, seq, pos, page_size, sm_scale,
-                head, kv_head, scores, acc, out_row):
-    # One (row, head): causal attention over positions 0..pos of stream `seq`.
+def _attend_one(q_row, kv_layer, scales, pages, pos, page_size, sm_scale, kv_head, scores,
+                acc, out_row):
+    # One (row, head): causal attention over positions 0..pos of the stream owning `pages`.
     num_keys = pos + 1
-    for j in range(num_keys):
-        slot = _slot(block_table, seq, j, page_size)
-        scores[j] = _key_score(q, kv_layer, slot, kv_head, scales[0]) * sm_scale
+    _key_scores(q_row, kv_layer, scales[0], pages, num_keys, page_size, kv_head, sm_scale, scores)
     total = _softmax_in_place(scores, num_keys)
-    acc[:] = 0
-    for j in range(num_keys):
-        _add_value(acc, scores[j], kv_layer, _slot(block_table, seq, j, page_size), kv_head,
-                   scales[1])
+    _weighted_values(scores, kv_layer, scales[1], pages, num_keys, page_size, kv_head, acc)
     for d in range(acc.shape[0]):
         out_row[d] = acc[d] / total
 
 
+@njit(nogil=True, cache=True)
+def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                     page_size, sm_scale, out):
+    rows, num_heads, head_dim = q.shape
+    group = num_heads // kv_layer.shape[2]
+    scores = np.empty(np.int64(row_pos.max()) + 1, _F32)
+    acc = np.empty(head_dim, _F32)
+    first, last = _chunk(chunk, num_chunks, rows * num_heads)
+    for item in range(first, last):
+        r, h = item // num_heads, item % num_heads
+        _attend_one(q[r, h], kv_layer, scales, block_table[row_seq[r]], row_pos[r], page_size,
+                    sm_scale, h // group, scores, acc, out[r, h])
+
+
 @njit(nogil=True, cache=True, parallel=True)
+def _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
+                        out):
+    num_chunks = _num_chunks(q.shape[0] * q.shape[1])
+    for chunk in prange(num_chunks):
+        _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                         page_size, sm_scale, out)
+
+
+@njit(nogil=True, cache=True)
 def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size,
                     sm_scale, out):
     """Causal GQA over paged KV. q/out [rows, nh, hd] float32; kv_layer [2, num_slots, nkv, hd];
     block_table [seqs, max_pages] int32; row_seq [rows] int32; row_pos [rows] int64.
-    Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv)."""
+    Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv).
+    Each (row, head) runs the same sequential code; pairs are split across threads."""
     rows, num_heads, head_dim = q.shape
     if rows == 0:
         return
-    group = num_heads // kv_layer.shape[2]
-    max_keys = np.int64(row_pos.max()) + 1
     scales = (_F32(k_scale), _F32(v_scale))
-    sm = _F32(sm_scale)
-    num_items = rows * num_heads
-    num_chunks = _num_chunks(num_items)
-    for chunk in prange(num_chunks):
-        scores = np.empty(max_keys, _F32)
-        acc = np.empty(head_dim, _F32)
-        first, last = _chunk(chunk, num_chunks, num_items)
-        for item in range(first, last):
-            r, h = item // num_heads, item % num_heads
-            _attend_one(q[r, h], kv_layer, scales, block_table, np.int64(row_seq[r]),
-                        np.int64(row_pos[r]), page_size, sm, h, h // group, scores, acc,
-                        out[r, h])
+    work = rows * num_heads * head_dim * (np.int64(row_pos.max()) + 1)
+    if work >= _PARALLEL_MIN_WORK:
+        _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                            _F32(sm_scale), out)
+    else:
+        _attention_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                         _F32(sm_scale), out)
 
 
 # ----------------------------------------------------------------------------- MoE routing

@@ -59,6 +59,15 @@ def _check_affine(w: AffineWeight) -> None:
         _check_shape(array, f"AffineWeight.{name}", (w.out_features, groups))
 
 
+def _check_weight(w: Any) -> None:
+    if isinstance(w, AffineWeight):
+        _check_affine(w)
+    elif isinstance(w, DenseWeight):
+        _check(w.w, "DenseWeight.w", np.float32, 2)
+    else:
+        raise ValueError(f"unknown weight kind {type(w).__name__} (expected a 2-D Linear)")
+
+
 def _check_kv(kv: Any, layer: int) -> np.ndarray:
     if not isinstance(kv, np.ndarray) or kv.dtype not in (np.float32, np.uint16, np.uint8):
         raise ValueError("kv: expected a numpy array of float32, uint16 (bf16) or uint8 (fp8)")
@@ -84,6 +93,9 @@ class CpuOps:
     name = "cpu"
     xp = np
 
+    def __init__(self) -> None:
+        self._checked: dict[int, Linear] = {}  # id -> uploaded weight (kept alive: no id reuse)
+
     def asarray(self, array: np.ndarray) -> np.ndarray:
         """To the device: identity on the CPU."""
         return array
@@ -92,13 +104,10 @@ class CpuOps:
         return np.asarray(array)
 
     def upload_linear(self, w: Linear) -> Linear:
-        """Weights already live in host memory; checked once here so the step path can trust them."""
-        if isinstance(w, AffineWeight):
-            _check(w.codes, "AffineWeight.codes", np.uint32)
-        elif isinstance(w, DenseWeight):
-            _check(w.w, "DenseWeight.w", np.float32)
-        else:
-            raise ValueError(f"unknown weight kind {type(w).__name__}")
+        """Weights already live in host memory; they are checked once here so that `linear`
+        can skip the checks on the step path."""
+        _check_weight(w)
+        self._checked[id(w)] = w
         return w
 
     def synchronize(self) -> None:
@@ -107,6 +116,8 @@ class CpuOps:
     # ------------------------------------------------------------------ matmuls
     def linear(self, x: np.ndarray, w: Linear, bias: np.ndarray | None = None) -> np.ndarray:
         """x [..., in] @ w.T (+ bias) -> [..., out_f]."""
+        if self._checked.get(id(w)) is not w:
+            _check_weight(w)
         _check(x, "linear x", np.float32)
         if x.ndim == 0 or x.shape[-1] != w.in_features:
             raise ValueError(f"linear: x has shape {x.shape}, weight expects in_features "
@@ -114,13 +125,9 @@ class CpuOps:
         rows = x.reshape(-1, w.in_features)
         out = np.empty((rows.shape[0], w.out_features), np.float32)
         if isinstance(w, AffineWeight):
-            _check_affine(w)
             kernels.matmul_affine(rows, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
-        elif isinstance(w, DenseWeight):
-            _check(w.w, "DenseWeight.w", np.float32, 2)
-            kernels.matmul_dense(rows, w.w, out)
         else:
-            raise ValueError(f"linear: unknown weight kind {type(w).__name__}")
+            kernels.matmul_dense(rows, w.w, out)
         if bias is not None:
             _check(bias, "linear bias", np.float32, 1)
             _check_shape(bias, "linear bias", (w.out_features,))
@@ -129,16 +136,15 @@ class CpuOps:
 
     def embed(self, w: Linear, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` [rows] int64 of the table w [V, H] -> [rows, H] float32."""
+        if self._checked.get(id(w)) is not w:
+            _check_weight(w)
         _check(ids, "embed ids", np.int64, 1)
         _check_range(ids, "embed ids", 0, w.out_features)
         out = np.empty((ids.shape[0], w.in_features), np.float32)
         if isinstance(w, AffineWeight):
-            _check_affine(w)
             kernels.embed_affine(w.codes, w.scales, w.biases, w.bits, w.group_size, ids, out)
-        elif isinstance(w, DenseWeight):
-            kernels.embed_dense(_check(w.w, "embed table", np.float32, 2), ids, out)
         else:
-            raise ValueError(f"embed: unknown weight kind {type(w).__name__}")
+            kernels.embed_dense(w.w, ids, out)
         return out
 
     # ------------------------------------------------------------------ row-wise ops

@@ -1,0 +1,79 @@
+"""Every CUDA kernel against float64 references (and the CPU twins) in Numba's CUDA
+simulator, at tiny sizes. The simulator must be switched on before numba.cuda is imported,
+so the checks run in two child processes (tests/cuda_sim_check.py), side by side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cuda_sim_check import CHECKS
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = (
+    ["matmul", "embed", "kv_write", "e4m3_exhaustive", "zero_and_rings", "norm_rope_silu", "moe",
+     "cpu_twins"],
+    ["attention", "attention_wide_heads", "grouped_matmul", "sampling"],
+)
+
+
+def _start(names: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(ROOT / "tests" / "cuda_sim_check.py"), *names]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_groups_cover_every_check() -> None:
+    assert sorted(n for g in GROUPS for n in g) == sorted(CHECKS)
+
+
+@pytest.fixture(scope="module")
+def sim_results() -> list[tuple[int, str]]:
+    procs = [_start(names) for names in GROUPS]
+    return [(p.wait(timeout=400), p.stdout.read() if p.stdout else "") for p in procs]
+
+
+@pytest.mark.parametrize("group", range(len(GROUPS)))
+def test_kernels_match_references_in_simulator(sim_results: list[tuple[int, str]], group: int) -> None:
+    code, output = sim_results[group]
+    assert code == 0, output
+    for name in GROUPS[group]:
+        assert f"ok {name} " in output, output
+
+
+def test_numpy_2_5_with_numba_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuda_kernels import env
+
+    monkeypatch.setattr(np, "__version__", "2.5.2")
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    with pytest.raises(env.CudaUnavailableError, match="numpy<2.5"):
+        env._check_numpy()
+
+
+def test_uniform_hash_is_documented_splitmix() -> None:
+    from cuda_kernels.sampling import uniform_host
+
+    draws = [uniform_host(seed, pos) for seed in (0, 1, 2**63) for pos in range(50)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert uniform_host(7, 3) == uniform_host(7, 3) != uniform_host(7, 4)
+
+
+def test_cuda_device_without_cupy_is_a_clear_error() -> None:
+    pytest.importorskip("numba")
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="CuPy"):
+        CudaOps()

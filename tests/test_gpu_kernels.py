@@ -1,0 +1,216 @@
+"""The CUDA kernels on a real GPU at real sizes (`pytest -m gpu`): fresh random inputs each
+run, outputs poisoned with NaN before every launch, float64 references, and batch
+invariance bit for bit (a row alone == the same row among others).
+
+Error bounds (relative Frobenius error against float64 on the same stored values):
+float32 arithmetic everywhere, so 2e-5 for matmuls and attention over thousands of terms and
+1e-5 for row-wise ops; KV conversions and token choices must match exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import cuda_sim_check as ref
+
+pytestmark = pytest.mark.gpu
+MATMUL_BOUND = 2e-5
+ATTN_BOUND = 2e-5
+ROW_BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    pytest.importorskip("cupy")
+    from tf_async.backend.cuda_ops import CudaOps
+
+    return CudaOps()
+
+
+@pytest.fixture()
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+def _poisoned(ops, shape, dtype=np.float32):  # noqa: ANN001, ANN202
+    fill = np.nan if np.dtype(dtype).kind == "f" else -1
+    return ops.xp.full(shape, fill, dtype=dtype)
+
+
+def _run(ops, fn, *arrays_and_scalars, **kw) -> None:  # noqa: ANN001
+    args = [ops._dev(a) if isinstance(a, ops.xp.ndarray) else a for a in arrays_and_scalars]
+    fn(*args, ops._stream(), **kw)
+    ops.synchronize()
+
+
+def _matmul(ops, kind, x, parts, gs, path=None):  # noqa: ANN001, ANN202
+    from cuda_kernels import launch
+
+    out = _poisoned(ops, (x.shape[0], parts[0].shape[1]))
+    _run(ops, launch.matmul, kind, ops.asarray(x), *[ops.asarray(p) for p in parts], gs,
+         ops._no_experts, out, path=path)
+    return ops.to_host(out)
+
+
+@pytest.mark.parametrize("kind,bits", [("q4", 4), ("q8", 8)])
+def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:  # noqa: ANN001
+    in_f, out_f, gs = 4096, 1536, 64
+    codes, scales, biases, deq = ref.affine_weight(rng, 1, out_f, in_f, bits, gs)
+    x = rng.standard_normal((37, in_f)).astype(np.float32)
+    parts = (codes, scales, biases)
+    many = _matmul(ops, kind, x, parts, gs, path="many")
+    few = _matmul(ops, kind, x, parts, gs, path="few")
+    assert ref.rel_err(many, x @ deq[0].T) < MATMUL_BOUND
+    assert np.array_equal(many, few), "few-rows and many-rows paths differ"
+    for rows in (1, 3, 8, 20):
+        part = _matmul(ops, kind, x[5 : 5 + rows], parts, gs)
+        assert np.array_equal(part, many[5 : 5 + rows]), rows
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_dense_matmul(ops, rng, kind) -> None:  # noqa: ANN001
+    w = rng.standard_normal((1, 1000, 2048)).astype(np.float32)
+    dummy = np.zeros((1, 1, 1), np.float32)
+    if kind == "bf16":
+        bits = ref.bf16_bits_ref(w)
+        w_val, words = ref.bf16_value_ref(bits), bits.view(np.uint32)
+    else:
+        w_val, words = w, w
+    x = rng.standard_normal((19, 2048)).astype(np.float32)
+    out = _matmul(ops, kind, x, (words, dummy, dummy), 1 << 30)
+    assert ref.rel_err(out, x @ w_val[0].T.astype(np.float64)) < MATMUL_BOUND
+    assert np.array_equal(_matmul(ops, kind, x[7:8], (words, dummy, dummy), 1 << 30), out[7:8])
+
+
+def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN202
+    from cuda_kernels import launch
+
+    out = _poisoned(ops, q.shape)
+    xs = [ops.asarray(a) for a in (q, kv_layer)]
+    tables = [ops.asarray(a) for a in (bt, row_seq, row_pos)]
+    _run(ops, launch.attention, *xs, np.float32(scales[0]), np.float32(scales[1]), *tables,
+         page_size, np.float32(sm_scale), out)
+    return ops.to_host(out)
+
+
+@pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64), (16, 2, 256)])
+def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN001
+    page_size, scales = 16, (0.05, 0.04)
+    bt, kv = ref.paged_setup(rng, seqs=3, max_pages=40, page_size=page_size, nkv=nkv, hd=hd)
+    kv_layer = ref.to_kv_dtype(kv * 3, kv_kind, scales)
+    row_seq = np.array([0, 1, 1, 1, 2, 0], np.int32)
+    row_pos = np.array([0, 500, 501, 502, 639, 31], np.int64)
+    q = rng.standard_normal((6, nh, hd)).astype(np.float32)
+    out = _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
+    want = ref.attention_ref(q, kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
+    assert ref.rel_err(out, want) < ATTN_BOUND
+    for r in (0, 2, 4):
+        solo = _attention(ops, q[r : r + 1], kv_layer, scales, bt, row_seq[r : r + 1],
+                          row_pos[r : r + 1], page_size, hd**-0.5)
+        assert np.array_equal(solo[0], out[r]), f"row {r} depends on the batch"
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_kv_write_bits(ops, rng, kv_dtype) -> None:  # noqa: ANN001
+    from cuda_kernels import launch
+
+    rows, nkv, hd = 300, 8, 128
+    k = (rng.standard_normal((rows, nkv, hd)) * 40).astype(np.float32)
+    v = (rng.standard_normal((rows, nkv, hd)) * 0.01).astype(np.float32)
+    scales = (0.3, 0.0001)
+    slots = rng.permutation(1000)[:rows].astype(np.int64)
+    dtype = np.uint16 if kv_dtype == "bf16" else np.uint8
+    kv_layer = ops.xp.zeros((2, 1000, nkv, hd), dtype)
+    _run(ops, launch.kv_write, ops.asarray(k), ops.asarray(v), kv_layer, ops.asarray(slots),
+         np.float32(scales[0]), np.float32(scales[1]))
+    want = ref.to_kv_dtype(np.stack([k, v]), kv_dtype, scales)
+    assert np.array_equal(ops.to_host(kv_layer)[:, slots], want)
+
+
+def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
+    """CudaOps end to end (allocation, checks, stream) against CpuOps on the same inputs."""
+    from tf_async.backend.cpu.ops import CpuOps
+    from tf_async.models.weights import quantize_affine
+
+    cpu = CpuOps()
+    w = quantize_affine(rng.standard_normal((512, 256)).astype(np.float32), 4, 64)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    dev_w = ops.upload_linear(w)
+    assert ref.rel_err(ops.to_host(ops.linear(ops.asarray(x), dev_w)), cpu.linear(x, w)) < MATMUL_BOUND
+    norm_w = rng.standard_normal(256).astype(np.float32)
+    got = ops.to_host(ops.rms_norm(ops.asarray(x), ops.asarray(norm_w), 1e-6))
+    assert ref.rel_err(got, cpu.rms_norm(x, norm_w, 1e-6)) < ROW_BOUND
+    ids = np.array([3, 0, 511], np.int64)
+    assert ref.rel_err(ops.to_host(ops.embed(dev_w, ops.asarray(ids))), cpu.embed(w, ids)) < ROW_BOUND
+    kv = ops.alloc_kv(2, 64, 2, 32, "fp8")
+    ops.kv_write(kv, 1, *(ops.asarray(a) for a in (rng.standard_normal((2, 2, 32)).astype(np.float32),) * 2),
+                 ops.asarray(np.array([5, 9], np.int64)), None)
+    ops.zero_pages(kv, ops.asarray(np.array([0, 2], np.int32)), 4)
+    assert not ops.to_host(kv)[:, :, 0:4].any()
+    assert ops.to_host(kv)[1, :, 5].any()
+
+
+def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
+    x = rng.standard_normal((64, 4096)).astype(np.float32)
+    w = rng.standard_normal(4096).astype(np.float32)
+    stream = ops.xp.cuda.Stream(non_blocking=True)
+    with stream:
+        x_dev = ops.asarray(x)
+        out = ops.rms_norm(x_dev, ops.asarray(w), 1e-5)
+        ops.synchronize()
+        got = ops.to_host(out)
+    assert ref.rel_err(got, ref.rms_norm_ref(x, w, 1e-5)) < ROW_BOUND
+
+
+def test_rows_ops(ops, rng) -> None:  # noqa: ANN001
+    q = rng.standard_normal((40, 32, 128)).astype(np.float32)
+    pos = rng.integers(0, 40000, size=40).astype(np.int64)
+    inv_freq = (1e6 ** (-np.arange(0, 128, 2) / 128)).astype(np.float32)
+    q_dev = ops.asarray(q)
+    ops.rope(q_dev, ops.asarray(pos), ops.asarray(inv_freq), 1.0)
+    assert ref.rel_err(ops.to_host(q_dev), ref.rope_ref(q, pos, inv_freq, 1.0)) < ROW_BOUND
+    gate, up = rng.standard_normal((2, 33, 12288)).astype(np.float32)
+    got = ops.to_host(ops.silu_mul(ops.asarray(gate), ops.asarray(up)))
+    assert ref.rel_err(got, ref.silu_mul_ref(gate, up)) < ROW_BOUND
+
+
+def test_moe_against_cpu(ops, rng) -> None:  # noqa: ANN001
+    from tf_async.backend.cpu.ops import CpuOps
+    from tf_async.models.weights import DenseWeight, quantize_affine
+
+    cpu = CpuOps()
+    hidden, inter, experts = 256, 128, 8
+    router = DenseWeight(rng.standard_normal((experts, hidden)).astype(np.float32))
+    gate, up = (quantize_affine(rng.standard_normal((experts, inter, hidden)).astype(np.float32), 4, 64)
+                for _ in range(2))
+    down = quantize_affine(rng.standard_normal((experts, hidden, inter)).astype(np.float32), 4, 64)
+    x = rng.standard_normal((11, hidden)).astype(np.float32)
+    dev = [ops.upload_linear(w) for w in (router, gate, up, down)]
+    got = ops.to_host(ops.moe(ops.asarray(x), *dev, 3, True))
+    assert ref.rel_err(got, cpu.moe(x, router, gate, up, down, 3, True)) < MATMUL_BOUND
+    solo = ops.to_host(ops.moe(ops.asarray(x[4:5]), *dev, 3, True))
+    assert np.array_equal(solo[0], got[4])
+
+
+def test_sampling(ops, rng) -> None:  # noqa: ANN001
+    from cuda_kernels import sampling
+
+    rows, vocab = 6, 151936
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    got = ops.to_host(ops.argmax(ops.asarray(logits)))
+    assert np.array_equal(got, logits.argmax(-1))
+    temps = np.array([0.0, 0.8, 1.0, 1.3, 0.7, 1.0], np.float32)
+    top_ks = np.array([0, 40, 1, 0, 20, 5], np.int32)
+    top_ps = np.array([1.0, 0.95, 1.0, 0.9, 0.5, 1.0], np.float32)
+    seeds = rng.integers(0, 2**63, size=rows).astype(np.uint64)
+    positions = rng.integers(0, 5000, size=rows).astype(np.int64)
+    args = [ops.asarray(a) for a in (logits, temps, top_ks, top_ps, seeds, positions)]
+    got = ops.to_host(ops.sample(*args))
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    for r in (1, 4, 5):
+        u = sampling.uniform_host(int(seeds[r]), int(positions[r]))
+        assert got[r] == ref._sample_ref(logits[r], temps[r], top_ks[r], top_ps[r], u), r
+    solo = ops.to_host(ops.sample(*[a[3:4] for a in args]))
+    assert solo[0] == got[3]

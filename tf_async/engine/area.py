@@ -1,0 +1,167 @@
+"""Drafter areas: a byte region of the arena that lanes' runs borrow for their drafter.
+
+One region is allocated with the arena at engine start; a lane's run takes one contiguous
+area from it when its drafter opens and gives it back on release. `AreaPool` holds integers
+only (byte offsets, like pages.py); `area_views` turns an offset into array views.
+
+    area:  | ring: capacity rows of K and V, every drafter layer | pad to 256 B | state f32 [H] |
+           ^ offset                                                 ^ state_offset      area end ^
+    ring row of position p: p % capacity
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..models.config import ModelConfig
+
+ALIGN_BYTES = 256
+KV_ITEMSIZE = {"f32": 4, "bf16": 2, "fp8": 1}
+KV_NP_DTYPE = {"f32": np.float32, "bf16": np.uint16, "fp8": np.uint8}
+
+
+def align_up(num_bytes: int, align: int = ALIGN_BYTES) -> int:
+    return -(-num_bytes // align) * align
+
+
+@dataclass(frozen=True, slots=True)
+class AreaLayout:
+    """Byte layout of one drafter area (ring of K/V rows, then the newest row's hidden)."""
+
+    num_layers: int  # drafter attention layers with a ring
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    capacity: int  # ring rows
+    kv_dtype: str
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, capacity: int, kv_dtype: str,
+                  num_layers: int | None = None) -> AreaLayout:
+        layers = cfg.num_layers if num_layers is None else num_layers
+        return cls(layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, capacity, kv_dtype)
+
+    @property
+    def ring_shape(self) -> tuple[int, int, int, int, int]:
+        """Same axes as the arena's kv: [layers, 2, capacity, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.capacity, self.num_kv_heads, self.head_dim)
+
+    @property
+    def ring_bytes(self) -> int:
+        return int(np.prod(self.ring_shape)) * KV_ITEMSIZE[self.kv_dtype]
+
+    @property
+    def state_offset(self) -> int:
+        return align_up(self.ring_bytes)
+
+    @property
+    def state_bytes(self) -> int:
+        return 4 * self.hidden_size
+
+    @property
+    def num_bytes(self) -> int:
+        """The state ends exactly at the area's end."""
+        return self.state_offset + self.state_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AreaViews:
+    ring: Any  # [layers, 2, capacity, kv_heads, head_dim] of the KV dtype
+    state: Any  # [H] float32: the newest row's hidden state
+    borrowed: bool  # True: views into the arena's region (never pooled)
+
+
+class AreaPool:
+    """First-fit allocator of contiguous byte ranges in [0, num_bytes); 256-byte aligned starts.
+
+    Integers only. Free extents are kept sorted and merged on free.
+    """
+
+    def __init__(self, num_bytes: int):
+        self.num_bytes = num_bytes
+        self._free: list[tuple[int, int]] = [(0, num_bytes)] if num_bytes > 0 else []
+        self._taken: dict[int, int] = {}  # offset -> size (aligned)
+
+    @property
+    def num_in_use(self) -> int:
+        return len(self._taken)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return sum(self._taken.values())
+
+    def allocate(self, num_bytes: int) -> int | None:
+        """Offset of a new area of `num_bytes`, or None (nothing taken) when none fits."""
+        size = align_up(max(1, num_bytes))
+        for i, (start, length) in enumerate(self._free):
+            if length >= size:
+                self._free[i:i + 1] = [(start + size, length - size)] if length > size else []
+                self._taken[start] = size
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        size = self._taken.pop(offset)
+        self._free.append((offset, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+
+def alloc_region(xp: Any, num_bytes: int) -> Any:
+    """A zeroed uint8 region of `num_bytes` whose first byte is 256-byte aligned (at start)."""
+    raw = xp.zeros(num_bytes + ALIGN_BYTES, dtype=np.uint8)
+    pad = -address(raw) % ALIGN_BYTES
+    return raw[pad: pad + num_bytes]
+
+
+def address(array: Any) -> int:
+    """Device or host address of an array's first element."""
+    if hasattr(array, "__cuda_array_interface__"):
+        return int(array.__cuda_array_interface__["data"][0])
+    return int(array.__array_interface__["data"][0])
+
+
+def area_views(region: Any, offset: int, layout: AreaLayout) -> AreaViews:
+    """Borrowed ring and state views of the area at `offset` of the region."""
+    ring_bytes = region[offset: offset + layout.ring_bytes]
+    ring = ring_bytes.view(KV_NP_DTYPE[layout.kv_dtype]).reshape(layout.ring_shape)
+    start = offset + layout.state_offset
+    state = region[start: start + layout.state_bytes].view(np.float32)
+    return AreaViews(ring, state, borrowed=True)
+
+
+def owned_views(xp: Any, layout: AreaLayout) -> AreaViews:
+    """Fallback: buffers of the same layout that the context owns (outside the arena)."""
+    ring = xp.zeros(layout.ring_shape, dtype=KV_NP_DTYPE[layout.kv_dtype])
+    return AreaViews(ring, xp.zeros(layout.hidden_size, dtype=np.float32), borrowed=False)
+
+
+# ---- per-lane memory report ---------------------------------------------------------------
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB" if num_bytes % (1 << 20) else f"{num_bytes >> 20} MiB"
+
+
+def lane_memory_lines(name: str, cfg: ModelConfig, *, parallel: int, ctx: int, kv_dtype: str,
+                      drafter_layers: int, drafter: str) -> list[str]:
+    """Per-lane drafter memory: before (a fixed buffer per lane) vs now (an area in the run)."""
+    layout = AreaLayout.for_model(cfg, ctx, kv_dtype, num_layers=drafter_layers)
+    per_lane = layout.num_bytes
+    kv_per_lane = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * KV_ITEMSIZE[kv_dtype]
+    return [
+        f"{name} ({drafter}: {drafter_layers} ring layer(s), --parallel {parallel} --ctx {ctx}, "
+        f"kv {kv_dtype})",
+        f"  drafter area: ring {mib(layout.ring_bytes)} + state {layout.state_bytes} B "
+        f"= {mib(per_lane)} a lane",
+        f"  fixed a lane: {mib(per_lane)} -> 0 MiB (the area is borrowed from the run while open)",
+        f"  in the run a lane: target KV {mib(kv_per_lane)} + drafter {mib(per_lane)}; "
+        f"{parallel} lanes: {mib(parallel * per_lane)} of drafter areas in the arena region",
+    ]

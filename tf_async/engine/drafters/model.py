@@ -1,0 +1,178 @@
+"""`draft:PATH`: a smaller model with the target's tokenizer drafts k tokens autoregressively.
+
+It runs its own Decoder on the target's Ops; its K/V rows live in the context's ring
+(row of position p at p % capacity), read through the ordinary paged kernels with one page
+of `capacity` rows. Drafts are chosen with the stream's own sampling (greedy, or the seeded
+sample drawn from (seed, position)), so the target as its own drafter accepts every draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import BadInputError
+from ...models.decoder import Decoder, ForwardBatch
+from ..area import AreaLayout
+from ..drafting import DraftContext, DraftContexts, num_areas_option, zero_stats
+from ..sampling import apply_penalties, sample_token
+
+if TYPE_CHECKING:
+    from ...models.checkpoint import Checkpoint
+    from ..runner import Runner
+    from ..sequence import SeqRows, Sequence
+
+log = logging.getLogger("tf_async.drafting")
+MakeContexts = Callable[["Runner", AreaLayout, int], DraftContexts]
+
+
+class ModelDrafter:
+    name = "draft"
+
+    def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts):
+        self.decoder = decoder
+        self.ops = decoder.ops
+        self.kv_scales = kv_scales
+        self.contexts = contexts
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def is_open(self, seq: Sequence) -> bool:
+        return self.contexts.get(seq) is not None
+
+    def open(self, seq: Sequence) -> None:
+        assert seq.lane is not None
+        self.contexts.open(seq.lane, seq.request_id)
+
+    def release(self, lane: int) -> None:
+        self.contexts.release(lane)
+
+    # ---- drafting -----------------------------------------------------------------------
+    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Catch the ring up to the stream's tokens, then draft up to `limit` tokens."""
+        ctx = self.contexts.get(seq)
+        if ctx is None or limit <= 0:
+            return ()
+        try:
+            return self._draft(ctx, seq, limit)
+        except Exception:  # noqa: BLE001 - drafts only change speed; plain decode goes on
+            log.exception("drafting failed for request %d; decoding without drafts", seq.request_id)
+            ctx.num_valid = ctx.num_fed = 0
+            return ()
+
+    def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        num_tokens = seq.num_tokens
+        start = min(ctx.num_valid, num_tokens - 1)
+        logits = self._forward(ctx, seq.token_slice(start, num_tokens), start)
+        ctx.num_valid = ctx.base_pos = num_tokens
+        ctx.num_fed = 0
+        drafts: list[int] = []
+        outputs = list(seq.output_ids)
+        while True:
+            token = _choose(seq, logits, outputs, num_tokens + len(drafts))
+            if token in seq.stop_ids:
+                break  # the target emits stop tokens itself
+            drafts.append(token)
+            outputs.append(token)
+            if len(drafts) >= limit:
+                break
+            logits = self._forward(ctx, [token], num_tokens + len(drafts) - 1)
+            ctx.num_fed += 1
+        return tuple(drafts)
+
+    def _forward(self, ctx: DraftContext, tokens: list[int], start_pos: int) -> np.ndarray:
+        """Rows at positions start_pos.. into the ring; logits [V] of the last row."""
+        assert ctx.views is not None
+        num_rows = len(tokens)
+        capacity = ctx.views.ring.shape[2]
+        pos = np.arange(start_pos, start_pos + num_rows, dtype=np.int64)
+        num_pages = int(pos[-1]) // capacity + 1  # every page of the ring is page 0
+        put = self.ops.asarray
+        batch = ForwardBatch(put(np.asarray(tokens, np.int64)), put(pos), put(pos % capacity),
+                             put(np.zeros(num_rows, np.int32)), put(np.zeros((1, num_pages), np.int32)),
+                             put(np.asarray([num_rows - 1], np.int64)), capacity)
+        logits, hidden = self.decoder.forward(batch, ctx.views.ring, self.kv_scales)
+        ctx.views.state[...] = hidden[0]  # the newest row's hidden state
+        return self.ops.to_host(logits)[0]
+
+    def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
+        """Accepted drafts whose ring rows were written stay valid; the rest is redone."""
+        self.num_drafted += len(rows.draft_ids)
+        self.num_accepted += num_new_tokens - 1
+        ctx = self.contexts.get(seq)
+        if ctx is not None and rows.draft_ids and ctx.base_pos == rows.start_pos + 1:
+            ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
+
+    def stats(self) -> dict[str, int]:
+        areas = self.contexts.areas
+        return {**zero_stats(), "drafted_tokens": self.num_drafted,
+                "accepted_tokens": self.num_accepted, "draft_areas_in_use": areas.num_in_use,
+                "draft_areas_bytes": areas.num_bytes, "draft_area_bytes_in_use": areas.bytes_in_use,
+                "draft_contexts_owned": self.contexts.num_owned}
+
+
+def _choose(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
+    """The token the target itself would pick at `pos` if its logits were these."""
+    x = apply_penalties(logits, seq.params, seq.prompt_ids, outputs)
+    return sample_token(x, seq.params, seq.seed, pos)
+
+
+# ---- construction -------------------------------------------------------------------------
+def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt: Checkpoint,
+                      runner: Runner, num_lanes: int, *, make_contexts: MakeContexts) -> ModelDrafter:
+    capacity = options.get("draft_ring") or options["ctx"]
+    if not isinstance(capacity, int) or capacity < 1:
+        raise BadInputError("draft_ring must be an integer >= 1", param="draft_ring")
+    num_areas = num_areas_option(options, num_lanes)
+    if kind == "mtp":
+        from .mtp import require_mtp_head
+
+        require_mtp_head(ckpt)
+        raise BadInputError("--drafter mtp: the MTP forward arrives with the Qwen3.5 issue",
+                            param="drafter")
+    assert path is not None
+    draft, decoder, kv_scales = _load_draft(path, ckpt, runner, options["kv_dtype"])
+    layout = AreaLayout.for_model(draft.config, capacity, options["kv_dtype"])
+    return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas))
+
+
+def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202
+    """The draft checkpoint, its decoder and KV scales (the target's own when it drafts itself)."""
+    if _same_file(path, str(ckpt.path)):
+        return ckpt, runner.decoder, runner.arena.kv_scales
+    from ...models.loader import load_checkpoint
+    from ..build import kv_scales_for
+
+    draft = load_checkpoint(path)
+    check_same_vocab(ckpt, draft)
+    decoder = Decoder(draft, runner.ops)
+    scales = kv_scales_for(decoder, draft, kv_dtype)
+    if scales is None:
+        scales = np.ones((draft.config.num_layers, 2), np.float32)
+    return draft, decoder, runner.ops.asarray(scales)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_same_vocab(target: Checkpoint, draft: Checkpoint) -> None:
+    """A draft model must share the target's vocabulary: same size and the same token texts."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise BadInputError(f"draft model {draft.path}: vocab size {dv} differs from the target's "
+                            f"{tv} ({target.path})", param="drafter")
+    t_vocab = target.tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
+    d_vocab = draft.tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise BadInputError(f"draft model {draft.path}: token texts differ from the target's "
+                            f"({target.path}), e.g. {differ}", param="drafter")
