@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tf_async.backend.cpu import kernels
+from tf_async.backend.cpu.ops import CpuOps
 from tf_async.models.weights import AffineWeight, quantize_affine
 
 SHAPES = [  # (out_features, in_features, bits): SmolLM2-135M projections and the 8-bit lm_head
@@ -90,6 +91,47 @@ def bench_attention(reps: int, rng: np.random.Generator) -> None:
                4 * num_keys * num_heads * head_dim)
 
 
+def bench_decode_step(rng: np.random.Generator, context: int = 100) -> None:
+    """One SmolLM2-135M decode step (30 layers, 4-bit projections, 8-bit lm_head, one row)
+    through CpuOps, Python overhead included."""
+    ops = CpuOps()
+    hidden, inter, heads, kv_heads, hd, page_size = 576, 1536, 9, 3, 64, 16
+
+    def q4(out_f: int, in_f: int) -> AffineWeight:
+        w = (rng.standard_normal((out_f, in_f)) * 0.05).astype(np.float32)
+        return ops.upload_linear(quantize_affine(w, 4, GROUP_SIZE))
+
+    layers = [[q4(576, 576), q4(192, 576), q4(192, 576), q4(576, 576), q4(inter, hidden),
+               q4(inter, hidden), q4(hidden, inter)] for _ in range(30)]
+    lm_head = ops.upload_linear(quantize_affine(
+        (rng.standard_normal((49152, hidden)) * 0.05).astype(np.float32), 8, GROUP_SIZE))
+    norm = np.ones(hidden, np.float32)
+    inv_freq = (10000.0 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32)
+    kv = ops.alloc_kv(30, 4096, kv_heads, hd, "f32")
+    table = np.arange(4096 // page_size, dtype=np.int32)[None]
+    pos, row_seq = np.array([context], np.int64), np.zeros(1, np.int32)
+    slots = pos.copy()
+
+    def step() -> None:
+        h = rng.standard_normal((1, hidden)).astype(np.float32)
+        for i, (wq, wk, wv, wo, wg, wu, wd) in enumerate(layers):
+            a = ops.rms_norm(h, norm, 1e-5)
+            q = ops.linear(a, wq).reshape(1, heads, hd)
+            k, v = (ops.linear(a, w).reshape(1, kv_heads, hd) for w in (wk, wv))
+            ops.rope(q, pos, inv_freq, 1.0)
+            ops.rope(k, pos, inv_freq, 1.0)
+            ops.kv_write(kv, i, k, v, slots, None)
+            o = ops.attention(q, kv, i, None, table, row_seq, pos, page_size, 0.125)
+            h = h + ops.linear(o.reshape(1, hidden), wo)
+            a = ops.rms_norm(h, norm, 1e-5)
+            h = h + ops.linear(ops.silu_mul(ops.linear(a, wg), ops.linear(a, wu)), wd)
+        ops.linear(ops.rms_norm(h, norm, 1e-5), lm_head)
+
+    t = seconds_per_call(step, 10)
+    print(f"decode step (SmolLM2-135M shapes, ctx {context}): {t * 1e3:.2f} ms "
+          f"= {1 / t:.1f} tokens/s")
+
+
 def report(name: str, rows: int, seconds: float, num_bytes: int, flops: int) -> None:
     print(f"{name:<22} {rows:>5} {seconds * 1e6:>10.1f} {num_bytes / seconds / 1e9:>8.2f} "
           f"{flops / seconds / 1e9:>9.2f}")
@@ -106,6 +148,7 @@ def main() -> None:
         bench_affine(out_f, in_f, bits, args.reps, rng)
     bench_dense(576, 1536, args.reps, rng)
     bench_attention(args.reps, rng)
+    bench_decode_step(rng)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ async def run_gates(model: str | Checkpoint | None, *, device: str = "auto", kv_
                 idle[f"drafted-{mode}"] = eng.stats()
             rows.append(GateRow(f"drafted == plain ({drafter}, k={draft_tokens})", mode,
                                 _count(got, solo), len(plist)))
-    empty = sum(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
+    empty = sum(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0
+                and s.get("draft_areas_in_use", 0) == 0 for s in idle.values())
     rows.append(GateRow("idle is empty", "all", empty, len(idle)))
     return rows, idle
 

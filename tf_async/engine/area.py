@@ -150,18 +150,19 @@ def mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB" if num_bytes % (1 << 20) else f"{num_bytes >> 20} MiB"
 
 
-def lane_memory_lines(name: str, cfg: ModelConfig, *, parallel: int, ctx: int, kv_dtype: str,
-                      drafter_layers: int, drafter: str) -> list[str]:
-    """Per-lane drafter memory: before (a fixed buffer per lane) vs now (an area in the run)."""
-    layout = AreaLayout.for_model(cfg, ctx, kv_dtype, num_layers=drafter_layers)
+def lane_memory_lines(name: str, target: ModelConfig, drafter: ModelConfig, *, parallel: int,
+                      ctx: int, kv_dtype: str, drafter_layers: int, drafter_name: str) -> list[str]:
+    """Per-lane drafter memory: fixed (a buffer per lane before) vs in the run (now)."""
+    layout = AreaLayout.for_model(drafter, ctx, kv_dtype, num_layers=drafter_layers)
     per_lane = layout.num_bytes
-    kv_per_lane = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * KV_ITEMSIZE[kv_dtype]
+    kv_row = target.num_layers * 2 * target.num_kv_heads * target.head_dim * KV_ITEMSIZE[kv_dtype]
     return [
-        f"{name} ({drafter}: {drafter_layers} ring layer(s), --parallel {parallel} --ctx {ctx}, "
-        f"kv {kv_dtype})",
-        f"  drafter area: ring {mib(layout.ring_bytes)} + state {layout.state_bytes} B "
-        f"= {mib(per_lane)} a lane",
-        f"  fixed a lane: {mib(per_lane)} -> 0 MiB (the area is borrowed from the run while open)",
-        f"  in the run a lane: target KV {mib(kv_per_lane)} + drafter {mib(per_lane)}; "
-        f"{parallel} lanes: {mib(parallel * per_lane)} of drafter areas in the arena region",
+        f"{name}, drafter {drafter_name} ({drafter_layers} ring layer(s)), "
+        f"--parallel {parallel} --ctx {ctx} --kv-dtype {kv_dtype}",
+        f"  drafter area: ring {mib(layout.ring_bytes)} + pad + state {layout.state_bytes} B "
+        f"= {layout.num_bytes} B ({mib(per_lane)})",
+        f"  fixed a lane: {mib(per_lane)} -> 0 MiB (the area is borrowed from the lane's run)",
+        f"  in the run a lane (full ctx): target KV {mib(kv_row * ctx)} + drafter area "
+        f"{mib(per_lane)}; arena drafter region {mib(parallel * align_up(per_lane))} "
+        f"({parallel} areas)",
     ]

@@ -29,6 +29,7 @@ class ForwardBatch:
     block_table: Array  # [seqs, max_pages] int32
     logit_rows: Array  # [m] int64, rows whose logits are wanted
     page_size: int
+    seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
 
 
 class Decoder:

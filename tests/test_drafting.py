@@ -1,0 +1,228 @@
+"""Drafter memory and lifecycle: area layout in the run, borrowed vs owned contexts, the
+order of events, refusals. Drives the real drafters through their interface (no GPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny import random_hf_weights, tiny_config
+from tf_async import BadInputError, Engine, RequestFailedError
+from tf_async.api import make_params
+from tf_async.engine import drafting
+from tf_async.engine.area import ALIGN_BYTES, AreaLayout, AreaPool, address, align_up
+from tf_async.engine.build import build_engine
+from tf_async.engine.drafting import DraftContexts, ngram_lookup
+from tf_async.engine.sched import make_sequence
+from tf_async.gate import PROMPTS
+
+
+def build(ckpt, drafter: str, **kw):
+    """Engine parts (no engine thread) with a drafter attached."""
+    extra = {k: kw.pop(k) for k in ("draft_areas", "draft_ring") if k in kw}
+    base = dict(device="cpu", parallel=2, ctx=64, page_size=4, drafter=drafter)
+    opts = dict(Engine(ckpt, **{**base, **kw}).options, **extra)
+    return build_engine(opts, lambda events: None)
+
+
+def open_stream(parts, request_id: int):
+    """Admit a stream the way the scheduler does: a lane (its run), then the drafter."""
+    seq = make_sequence(request_id, [5, 6, 7], make_params(max_tokens=8), 0, ())
+    seq.lane, _ = parts.lanes.try_open(request_id)
+    parts.scheduler.drafter.open(seq)
+    return seq
+
+
+def contexts(parts) -> DraftContexts:
+    return parts.scheduler.drafter.contexts
+
+
+def check_contexts(ctxs: DraftContexts) -> None:
+    """Invariant 4: only owned contexts in the pool; areas in use == open borrowed contexts;
+    no two open contexts share memory."""
+    assert all(not c.borrowed and c.area_offset is None for c in ctxs.pool)
+    open_ctxs = list(ctxs.open_by_lane.values())
+    assert ctxs.areas.num_in_use == sum(c.borrowed for c in open_ctxs)
+    for i, a in enumerate(open_ctxs):
+        for b in open_ctxs[i + 1:]:
+            assert not np.shares_memory(a.views.ring, b.views.ring)
+            assert not np.shares_memory(a.views.state, b.views.state)
+
+
+# ---- layout --------------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity", [1, 3, 4096, 32768])
+def test_ring_and_state_layout_in_the_runs_area(tiny_llama, tiny_llama_dir, capacity):
+    parts = build(tiny_llama, f"draft:{tiny_llama_dir}", draft_ring=capacity, parallel=1)
+    cfg = tiny_llama.config
+    seq = open_stream(parts, 1)
+    ctx = contexts(parts).open_by_lane[seq.lane]
+    region = parts.arena.drafter_region
+    ring_bytes = cfg.num_layers * 2 * capacity * cfg.num_kv_heads * cfg.head_dim * 4
+    area_start = address(region) + ctx.area_offset
+    assert ctx.borrowed and ctx.views.borrowed
+    assert address(ctx.views.ring) == area_start and ctx.views.ring.nbytes == ring_bytes
+    assert ctx.views.ring.shape == (cfg.num_layers, 2, capacity, cfg.num_kv_heads, cfg.head_dim)
+    state_start = address(ctx.views.state)
+    assert state_start == area_start + align_up(ring_bytes) and state_start % ALIGN_BYTES == 0
+    assert state_start - (area_start + ring_bytes) < ALIGN_BYTES
+    assert state_start + ctx.views.state.nbytes == area_start + contexts(parts).layout.num_bytes
+    assert ctx.views.state.shape == (cfg.hidden_size,) and ctx.views.state.dtype == np.float32
+    assert np.shares_memory(ctx.views.ring, region) and np.shares_memory(ctx.views.state, region)
+    # the MTP layout: one attention layer of the target's K/V shape + the target's hidden
+    mtp = AreaLayout.for_model(cfg, capacity, "bf16", num_layers=1)
+    assert mtp.ring_bytes == 2 * capacity * cfg.num_kv_heads * cfg.head_dim * 2
+    assert mtp.num_bytes == align_up(mtp.ring_bytes) + 4 * cfg.hidden_size
+
+
+def test_area_pool_first_fit_and_merge():
+    pool = AreaPool(4 * 256)
+    assert [pool.allocate(200), pool.allocate(256), pool.allocate(300)] == [0, 256, 512]
+    assert pool.allocate(256) is None  # 300 B took two 256-byte units
+    pool.free(256)
+    pool.free(0)
+    assert pool.allocate(512) == 0 and pool.num_in_use == 2 and pool.bytes_in_use == 1024
+
+
+# ---- open / release / pool -----------------------------------------------------------------
+def test_second_open_refused_release_twice_is_noop(tiny_llama, tiny_llama_dir):
+    for spec in ("ngram", f"draft:{tiny_llama_dir}"):
+        parts = build(tiny_llama, spec)
+        seq = open_stream(parts, 1)
+        with pytest.raises(BadInputError, match="already open"):
+            parts.scheduler.drafter.open(seq)
+        parts.scheduler.drafter.release(seq.lane)
+        parts.scheduler.drafter.release(seq.lane)
+        assert not parts.scheduler.drafter.is_open(seq)
+        parts.scheduler.drafter.open(seq)  # open again after release (e.g. after preemption)
+
+
+def test_release_destroys_borrowed_context_and_leaves_the_run_alone(tiny_llama, tiny_llama_dir):
+    parts = build(tiny_llama, f"draft:{tiny_llama_dir}")
+    seq = open_stream(parts, 1)
+    parts.scheduler.runs.reserve(seq.lane, 9)
+    pages = list(parts.scheduler.runs.pages(seq.lane))
+    ctx = contexts(parts).open_by_lane[seq.lane]
+    parts.scheduler.drafter.release(seq.lane)
+    assert ctx.views is None and ctx.area_offset is None  # destroyed
+    assert ctx not in contexts(parts).pool and contexts(parts).areas.num_in_use == 0
+    assert parts.lanes.owner(seq.lane) == 1 and parts.scheduler.runs.pages(seq.lane) == pages
+    parts.lanes.release(seq.lane)  # the lane's release path: drafter already gone, no-op
+    assert parts.scheduler.runs.num_pages_in_use == 0 and parts.lanes.num_in_use == 0
+
+
+def cycle_with_one_area(parts) -> None:
+    """A borrows the one area; B falls back to an owned context; A and B go; C borrows the
+    freed area; D must get B's owned context back from the pool, not A's old views."""
+    drafter, ctxs = parts.scheduler.drafter, contexts(parts)
+    a, b = open_stream(parts, 1), open_stream(parts, 2)
+    ctx_b = ctxs.open_by_lane[b.lane]
+    assert ctxs.open_by_lane[a.lane].borrowed and not ctx_b.borrowed
+    check_contexts(ctxs)
+    parts.lanes.release(a.lane)
+    parts.lanes.release(b.lane)
+    assert ctxs.pool == [ctx_b]  # the owned context went back to the pool
+    check_contexts(ctxs)
+    c, d = open_stream(parts, 3), open_stream(parts, 4)
+    assert ctxs.open_by_lane[d.lane] is ctx_b and ctxs.num_owned == 1
+    check_contexts(ctxs)
+    for s in (c, d):
+        drafter.release(s.lane)
+    check_contexts(ctxs)
+    assert ctxs.areas.num_in_use == 0
+
+
+def test_owned_context_goes_back_to_the_pool(tiny_llama, tiny_llama_dir):
+    cycle_with_one_area(build(tiny_llama, f"draft:{tiny_llama_dir}", draft_areas=1))
+
+
+def test_mutation_pooling_a_borrowed_context_turns_red(tiny_llama, tiny_llama_dir, monkeypatch):
+    """The check above must catch the bug it guards against: pool every context."""
+    monkeypatch.setattr(drafting, "should_pool", lambda ctx: True)
+    with pytest.raises(AssertionError):
+        cycle_with_one_area(build(tiny_llama, f"draft:{tiny_llama_dir}", draft_areas=1))
+
+
+# ---- refusals -----------------------------------------------------------------------------
+def _write_model(folder: Path, **overrides) -> Path:
+    from tests.tiny_hf import write_hf
+
+    cfg = tiny_config("llama", **overrides)
+    return write_hf(folder, cfg, random_hf_weights(cfg, seed=3))
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    bigger = _write_model(tmp_path / "v", vocab_size=384)
+    with pytest.raises(BadInputError, match="vocab size 384"):
+        build(tiny_llama, f"draft:{bigger}")
+    swapped = _write_model(tmp_path / "t")
+    tok = json.loads((swapped / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    with pytest.raises(BadInputError, match="token texts differ"):
+        build(tiny_llama, f"draft:{swapped}")
+
+
+def test_mtp_on_a_model_without_mtp_layer_and_unknown_drafter_are_clear_errors(tiny_llama):
+    with pytest.raises(BadInputError, match="no MTP layer"):
+        build(tiny_llama, "mtp")
+    with pytest.raises(BadInputError, match="unknown drafter"):
+        build(tiny_llama, "medusa")
+
+
+def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    t = np.asarray
+    assert ngram_lookup(t([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]), 3, 4) == [8, 5, 1, 2]
+    assert ngram_lookup(t([7, 2, 3, 4, 5, 6, 1, 3]), 3, 2) == [4, 5]  # falls back to n = 1
+    assert ngram_lookup(t([4, 4, 4]), 3, 8) == [4]  # the suffix itself is never a match
+    assert ngram_lookup(t([1, 2, 3]), 3, 4) == []
+
+
+# ---- order of events ----------------------------------------------------------------------
+@pytest.mark.asyncio
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+async def test_stepped_prompt_opens_the_drafter_on_the_targets_lane(tiny_llama, tiny_llama_dir, spec):
+    drafter = "ngram" if spec == "ngram" else f"draft:{tiny_llama_dir}"
+    async with Engine(tiny_llama, device="cpu", parallel=3, ctx=128, page_size=4, step_tokens=5,
+                      drafter=drafter, draft_tokens=3) as eng:
+        sched, lanes = eng.parts.scheduler, eng.parts.lanes
+        seen: list[tuple] = []
+        real_open = sched.drafter.open
+        bad_first = eng.tokenizer.encode(PROMPTS[2])[0]  # prompts differ in their first token
+
+        def open_(seq):  # record what the drafter sees when it opens
+            seen.append((seq.request_id, lanes.owner(seq.lane) == seq.request_id,
+                         len(sched.runs.pages(seq.lane)) > 0, seq.num_computed))
+            if seq.prompt_ids[:3] == eng.tokenizer.encode(PROMPTS[4])[:3]:
+                raise RuntimeError("injected open failure")
+            real_open(seq)
+
+        def inject(rows):
+            if rows.start_pos == 0 and rows.token_ids[0] == bad_first:
+                raise RuntimeError("injected step failure")
+
+        sched.drafter.open = open_
+        eng.parts.runner.fault_injector = inject
+        outs = await asyncio.gather(*(eng.complete(p, max_tokens=6) for p in PROMPTS[:6]),
+                                    return_exceptions=True)
+        assert "injected step failure" in str(outs[2]) and "injected open failure" in str(outs[4])
+        assert isinstance(outs[2], RequestFailedError) and isinstance(outs[4], RequestFailedError)
+        assert all(len(o.token_ids) == 6 for i, o in enumerate(outs) if i not in (2, 4))
+        # one open per stream that passed its first step (not the failed step's), each on the
+        # target's own lane with its run already holding the first step's pages
+        assert len(seen) == 5 and all(owner and pages and done == 0 for _, owner, pages, done in seen)
+        await _idle(eng)
+
+
+async def _idle(eng: Engine) -> None:
+    for _ in range(400):
+        s = eng.stats()
+        if s["running"] == 0 and s["queued"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    s = eng.stats()
+    assert (s["lanes_in_use"], s["pages_in_use"], s["draft_areas_in_use"]) == (0, 0, 0), s
