@@ -54,7 +54,7 @@ def reject_all(eng: Engine) -> None:
     bad = eng.parts.vocab_size - 1
 
     def propose(seq, limit):  # noqa: ANN001, ANN202
-        return (bad,) * limit if drafter.is_open(seq) and limit > 0 else ()
+        return (bad,) * min(limit, drafter.draft_tokens) if drafter.is_open(seq) else ()
 
     drafter.propose = propose
 

@@ -38,14 +38,16 @@ def assert_batch_invariant(run: Callable[[np.ndarray], np.ndarray], rows: int, s
 
 
 # --------------------------------------------------------------------------- matmuls
-AFFINE_CASES = [(4, 32), (4, 64), (4, 16), (8, 32), (8, 64), (8, 8)]  # fast and generic paths
+# fast paths (whole 16-byte blocks, 2**k per group) and the generic one (4-16, 4-96, 8-8)
+AFFINE_CASES = [(4, 32), (4, 64), (4, 128), (4, 16), (4, 96), (8, 16), (8, 32), (8, 64), (8, 8)]
 
 
 @pytest.mark.parametrize(("bits", "group_size"), AFFINE_CASES)
 def test_matmul_affine_matches_reference(bits: int, group_size: int) -> None:
     rng = rng_for(bits * 100 + group_size)
-    w = quantize_affine(randn(rng, 37, 192), bits, group_size)
-    x = randn(rng, 5, 192)
+    in_features = 7 * group_size  # an odd number of groups (and of code blocks)
+    w = quantize_affine(randn(rng, 37, in_features), bits, group_size)
+    x = randn(rng, 5, in_features)
     out = OPS.linear(x, w)
     ref = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
@@ -63,9 +65,9 @@ def test_matmul_dense_and_bias_match_reference() -> None:
 @pytest.mark.parametrize(("bits", "group_size"), [*AFFINE_CASES, (0, 0)])
 def test_matmuls_are_batch_invariant(bits: int, group_size: int) -> None:
     rng = rng_for(7 + bits)
-    dense = randn(rng, 70, 256)
+    dense = randn(rng, 70, 384)
     w = DenseWeight(dense) if bits == 0 else quantize_affine(dense, bits, group_size)
-    x = randn(rng, 11, 256)
+    x = randn(rng, 11, 384)
     assert_batch_invariant(lambda rows: OPS.linear(x[rows], w), 11)
 
 

@@ -52,6 +52,21 @@ async def assert_idle(eng: Engine) -> dict:
     return s
 
 
+def record_draft_sizes(eng: Engine) -> list[int]:
+    """Drafts per verify round, recorded as the scheduler builds rows."""
+    sizes: list[int] = [0]
+    sched = eng.parts.scheduler
+    build_rows = sched._decode_rows
+
+    def decode_rows(seq, pages_to_zero):  # noqa: ANN001, ANN202
+        rows = build_rows(seq, pages_to_zero)
+        sizes.append(len(rows.draft_ids) if rows is not None else 0)
+        return rows
+
+    sched._decode_rows = decode_rows
+    return sizes
+
+
 @pytest.fixture(scope="module")
 def other_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A different tiny random model (1 layer, H=32) with the same tokenizer."""
@@ -83,9 +98,11 @@ async def test_drafted_equals_plain_on_tiny_model(tiny_llama, tiny_llama_dir, ot
     for k, streams, paging, areas in SWEEP:
         async with make_engine(tiny_llama, parallel=min(streams, 4), paging=paging, drafter=spec,
                                draft_tokens=k, draft_areas=areas) as eng:
+            sizes = record_draft_sizes(eng)
             got = await run_all(eng, list(PROMPTS[:streams]), mode)
             assert got == plain[mode][:streams], (k, streams, paging)
             stats = await assert_idle(eng)
+        assert max(sizes) <= k and (kind != "self" or max(sizes) == k), (sizes, k)
         assert stats["drafted_tokens"] > 0, (k, streams)
         if kind == "self":  # same kernels, same sampling: every draft is what the target emits
             assert stats["accepted_tokens"] == stats["drafted_tokens"]

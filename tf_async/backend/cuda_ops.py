@@ -8,11 +8,15 @@ on one stream and can be captured together in a CUDA graph; `synchronize()` drai
 Each launcher checks dtype, layout and bounds before launching, so a bad call raises
 BadInputError instead of reading or writing out of bounds on the device. Bounds of index
 arrays that live on the device are checked with one reduction (a host sync) only where a
-wrong value would address memory: embed ids, KV slots, page ids, block tables.
+wrong value would address memory: embed ids, KV slots, page ids, block tables. Inside
+`unchecked()` those device checks are skipped (no host sync, so a round can be captured as a
+CUDA graph); the caller must have checked the indices itself (tf_async/models/graph_decoder.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -88,6 +92,15 @@ def layer_scales(kv_scales: Any, kv: Any, layer: int) -> tuple[np.float32, np.fl
     return np.float32(pair[0]), np.float32(pair[1])
 
 
+def _module_of(array: Any) -> Any:
+    """numpy for host arrays, else the array's own module (cupy)."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
 def _load_cuda() -> tuple[Any, Any, Any]:
     """(cupy, numba.cuda, cuda_kernels.launch), or BadInputError naming what is missing."""
     try:
@@ -119,6 +132,32 @@ class CudaOps:
         self._streams: dict[int, Any] = {}
         self._no_experts = self.xp.zeros(1, dtype=self.xp.int32)
         self._no_scales = self.xp.zeros((1, 1, 1), dtype=self.xp.float32)
+        self.device_checks = True  # False inside unchecked(): no host syncs on index bounds
+        self._host_scales: tuple[Any, np.ndarray] | None = None  # (kv_scales, host copy)
+
+    @contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Skip the bounds checks of device-resident indices (each one a host sync), e.g.
+        while capturing a CUDA graph. Dtype, layout and shape checks still run."""
+        before, self.device_checks = self.device_checks, False
+        try:
+            yield
+        finally:
+            self.device_checks = before
+
+    def _range(self, values: Any, name: str, low: int, high: int) -> None:
+        if self.device_checks:
+            check_range(values, name, low, high)
+
+    def _scales(self, kv_scales: Any, kv: Any, layer: int) -> tuple[np.float32, np.float32]:
+        # The arena's scales never change after it is built: read them to the host once,
+        # not once per layer (each read is a sync, and a capture cannot contain one).
+        if kv_scales is None or isinstance(kv_scales, np.ndarray):
+            return layer_scales(kv_scales, kv, layer)
+        if self._host_scales is None or self._host_scales[0] is not kv_scales:
+            layer_scales(kv_scales, kv, 0)  # shape and dtype check
+            self._host_scales = (kv_scales, self.xp.asnumpy(kv_scales))
+        return layer_scales(self._host_scales[1], kv, layer)
 
     # ------------------------------------------------------------------ plumbing
     def _stream(self) -> Any:
@@ -142,11 +181,11 @@ class CudaOps:
         self.xp.cuda.get_current_stream().synchronize()
 
     def upload_linear(self, w: Linear) -> Linear:
-        """Copy a weight to the device, same kind and fields. DenseWeight.w may be float32
-        or uint16 (bf16 bits)."""
+        """Copy a weight to the device, same kind and fields (arrays already on the device
+        are kept, not copied). DenseWeight.w may be float32 or uint16 (bf16 bits)."""
         xp = self.xp
         if isinstance(w, AffineWeight):
-            check_affine(w, np)
+            check_affine(w, _module_of(w.codes))
             return AffineWeight(xp.asarray(w.codes), xp.asarray(w.scales), xp.asarray(w.biases),
                                 w.bits, w.group_size)
         if isinstance(w, DenseWeight):
@@ -202,7 +241,7 @@ class CudaOps:
     def embed(self, w: Linear, ids: Any) -> Any:
         """Rows `ids` [rows] int64 of the table w [V, H] -> [rows, H] float32."""
         check_array(ids, "embed ids", np.int64, 1, xp=self.xp)
-        check_range(ids, "embed ids", 0, w.out_features)
+        self._range(ids, "embed ids", 0, w.out_features)
         if isinstance(w, DenseWeight):
             table = w.w if w.w.dtype == np.float32 else None
             if table is None:
@@ -270,8 +309,8 @@ class CudaOps:
         check_array(slots, "kv_write slots", np.int64, 1, xp=self.xp)
         check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
         check_shape(v, "kv_write v", k.shape)
-        check_range(slots, "kv_write slots", 0, kv.shape[2])
-        k_scale, v_scale = layer_scales(kv_scales, kv, layer)
+        self._range(slots, "kv_write slots", 0, kv.shape[2])
+        k_scale, v_scale = self._scales(kv_scales, kv, layer)
         self._launch.kv_write(self._dev(k), self._dev(v), self._dev(kv[layer]), self._dev(slots),
                               k_scale, v_scale, self._stream())
 
@@ -284,7 +323,7 @@ class CudaOps:
             raise BadInputError(f"attention: q shape {q.shape} does not fit kv heads/dim {kv.shape[3:]} "
                                 "(head_dim <= 256)")
         self._check_pages(kv, block_table, row_seq, row_pos, q.shape[0], page_size)
-        k_scale, v_scale = layer_scales(kv_scales, kv, layer)
+        k_scale, v_scale = self._scales(kv_scales, kv, layer)
         out = self.xp.empty_like(q)
         if q.shape[0]:
             parts = [self._dev(a) for a in (q, kv[layer])]
@@ -297,7 +336,7 @@ class CudaOps:
         """Zero the K and V slots of `page_ids` [n] int32 in every layer."""
         check_kv(kv, 0, self.xp)
         check_array(page_ids, "zero_pages page_ids", np.int32, 1, xp=self.xp)
-        check_range(page_ids, "zero_pages page_ids", 0, _num_pages(kv, page_size))
+        self._range(page_ids, "zero_pages page_ids", 0, _num_pages(kv, page_size))
         if page_ids.shape[0]:
             flat = kv.reshape(kv.shape[0] * 2, kv.shape[2], kv.shape[3] * kv.shape[4])
             self._launch.zero_pages(self._dev(flat), self._dev(page_ids), int(page_size), self._stream())
@@ -311,10 +350,10 @@ class CudaOps:
         check_shape(row_seq, "attention row_seq", (rows,))
         check_shape(row_pos, "attention row_pos", (rows,))
         num_pages = _num_pages(kv, page_size)
-        if rows == 0:
+        if rows == 0 or not self.device_checks:
             return
-        check_range(row_seq, "attention row_seq", 0, block_table.shape[0])
-        check_range(row_pos, "attention row_pos", 0, block_table.shape[1] * page_size)
+        self._range(row_seq, "attention row_seq", 0, block_table.shape[0])
+        self._range(row_pos, "attention row_pos", 0, block_table.shape[1] * page_size)
         entries = block_table[row_seq.astype(xp.int64)]  # [rows, max_pages]
         used = xp.arange(block_table.shape[1])[None, :] <= (row_pos // page_size)[:, None]
         if bool(xp.any(used & ((entries < 0) | (entries >= num_pages)))):
@@ -349,8 +388,8 @@ class CudaOps:
         check_shape(dst_rows, "copy_rows dst_rows", src_rows.shape)
         if dst.shape[1] != src.shape[1]:
             raise BadInputError(f"copy_rows: widths differ ({src.shape[1]} vs {dst.shape[1]})")
-        check_range(src_rows, "copy_rows src_rows", 0, src.shape[0])
-        check_range(dst_rows, "copy_rows dst_rows", 0, dst.shape[0])
+        self._range(src_rows, "copy_rows src_rows", 0, src.shape[0])
+        self._range(dst_rows, "copy_rows dst_rows", 0, dst.shape[0])
         if src_rows.shape[0]:
             parts = [self._dev(a) for a in (src, src_rows, dst, dst_rows)]
             self._launch.copy_rows(*parts, self._stream())
@@ -362,8 +401,8 @@ class CudaOps:
         check_shape(positions, "ring positions", (rows,))
         if ring.shape[2] != width:
             raise BadInputError(f"ring: width {ring.shape[2]} != rows' width {width}")
-        check_range(ring_ids, "ring_ids", 0, ring.shape[0])
-        check_range(positions, "ring positions", 0, 1 << 62)
+        self._range(ring_ids, "ring_ids", 0, ring.shape[0])
+        self._range(positions, "ring positions", 0, 1 << 62)
 
     # ------------------------------------------------------------------ MoE
     def moe(self, x: Any, router: Linear, gate: Linear, up: Linear, down: Linear,

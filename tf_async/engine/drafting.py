@@ -3,7 +3,7 @@
 The scheduler drives a drafter through four calls, all on the engine thread:
 
     open(seq)            after the target's first prompt step, before its rows are taken
-    propose(seq, limit)  while building a round: up to `limit` draft token ids
+    propose(seq, limit)  while building a round: up to min(limit, k) draft token ids
     absorb(seq, rows, num_new_tokens, hidden)   after verification (sched._accept)
     release(lane)        from the lane's one release path (Lanes release hook)
 
@@ -101,6 +101,7 @@ class DraftContexts:
             ctx = self.pool.pop() if self.pool else self._new_owned()
         ctx.reset(lane, request_id)
         self.open_by_lane[lane] = ctx
+        assert ctx.views is not None
         ctx.views.ring.fill(0)  # a run is zeroed when it opens
         ctx.views.state.fill(0)
         return ctx
@@ -141,7 +142,8 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3):
+    def __init__(self, draft_tokens: int, max_ngram: int = 3):
+        self.draft_tokens = draft_tokens
         self.max_ngram = max_ngram
         self.num_drafted = 0
         self.num_accepted = 0
@@ -160,6 +162,7 @@ class NgramDrafter:
         self._open.pop(lane, None)
 
     def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        limit = min(limit, self.draft_tokens)
         if limit <= 0 or not self.is_open(seq):
             return ()
         drafts = ngram_lookup(np.asarray([*seq.prompt_ids, *seq.output_ids], np.int64),
@@ -217,7 +220,7 @@ def attach_drafter(options: dict[str, Any], ckpt: Checkpoint, scheduler: Schedul
     kind, path = parse_drafter(options["drafter"])
     drafter: Drafter
     if kind == "ngram":
-        drafter = NgramDrafter()
+        drafter = NgramDrafter(options["draft_tokens"])
     else:
         from .drafters.model import make_ring_drafter
 

@@ -19,7 +19,10 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise ModelFormatError(f"{model_path}: model path does not exist")
     if model_path.is_dir():
         from .hf import load_hf_folder
+        from .hf_qwen35 import is_hybrid_folder, load_qwen35_folder
 
+        if is_hybrid_folder(model_path):  # qwen3_5 / qwen3_5_moe: the hybrid loader
+            return load_qwen35_folder(model_path)
         return load_hf_folder(model_path)
     if model_path.suffix.lower() == ".gguf":
         from .gguf_io import load_gguf  # lazy: only GGUF models need the GGUF reader

@@ -18,6 +18,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 _F32 = np.float32
+# IEEE division (no ZeroDivisionError branch, which would stop loops from vectorising)
+_JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
 _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in L1)
 _MAX_CHUNKS = 32
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread
@@ -114,26 +116,36 @@ class _Operands:
     """Pointers and sizes that the fused dot reads, unpacked from the Numba array structs."""
 
     def __init__(self, context, builder, sig, args):
-        codes, scales, biases, bpg, xp, row0, out, col = args
-        self.codes = _byte_ptr(context, builder, sig.args[0], codes, ir.Constant(_I64, 0))
-        self.scales = context.make_array(sig.args[1])(context, builder, scales)
+        codes, scales, biases, group_shift, xp, row0, out, first, last = args
+        c = context.make_array(sig.args[0])(context, builder, codes)
+        self.codes = builder.bitcast(c.data, _I8.as_pointer())
+        self.code_bytes = builder.mul(cgutils.unpack_tuple(builder, c.shape)[1],
+                                      ir.Constant(_I64, 4))
+        sc = context.make_array(sig.args[1])(context, builder, scales)
+        self.scales, self.num_groups = sc.data, cgutils.unpack_tuple(builder, sc.shape)[1]
         self.biases = context.make_array(sig.args[2])(context, builder, biases).data
-        self.num_groups = cgutils.unpack_tuple(builder, self.scales.shape)[0]
-        self.blocks_per_group = context.cast(builder, bpg, sig.args[3], types.intp)
+        self.group_shift = context.cast(builder, group_shift, sig.args[3], types.intp)
         x = context.make_array(sig.args[4])(context, builder, xp)
         self.x, self.in_features = x.data, cgutils.unpack_tuple(builder, x.shape)[1]
         o = context.make_array(sig.args[6])(context, builder, out)
         self.out, self.out_features = o.data, cgutils.unpack_tuple(builder, o.shape)[1]
         self.row0 = context.cast(builder, row0, sig.args[5], types.intp)
-        self.col = context.cast(builder, col, sig.args[7], types.intp)
+        self.first = context.cast(builder, first, sig.args[7], types.intp)
+        self.last = context.cast(builder, last, sig.args[8], types.intp)
+
+    def feature(self, builder, o):
+        """(codes, scales, biases) pointers of weight row o."""
+        group0 = builder.mul(o, self.num_groups)
+        return (builder.gep(self.codes, [builder.mul(o, self.code_bytes)]),
+                builder.gep(self.scales, [group0]), builder.gep(self.biases, [group0]))
 
     def x_row(self, builder, k):
         row = builder.add(self.row0, ir.Constant(_I64, k))
         return builder.gep(self.x, [builder.mul(row, self.in_features)])
 
-    def store_out(self, builder, k, value):
+    def store_out(self, builder, k, o, value):
         row = builder.add(self.row0, ir.Constant(_I64, k))
-        index = builder.add(builder.mul(row, self.out_features), self.col)
+        index = builder.add(builder.mul(row, self.out_features), o)
         builder.store(value, builder.gep(self.out, [index]))
 
 
@@ -142,9 +154,9 @@ def _load_x16(builder, row_ptr, offset):
                         align=4)
 
 
-def _block_weights(builder, ops, block, scale, bias, bits):
+def _block_weights(builder, codes, block, scale, bias, bits):
     """Dequantized weights of one 16-byte block: [low, high] nibbles (4-bit) or [bytes]."""
-    src = builder.gep(ops.codes, [builder.mul(block, ir.Constant(_I64, 16))])
+    src = builder.gep(codes, [builder.mul(block, ir.Constant(_I64, 16))])
     q = builder.zext(builder.load(builder.bitcast(src, _V16_I8.as_pointer()), align=1), _V16_I32)
     if bits == 8:
         return [_fma16(builder, q, scale, bias)]
@@ -153,51 +165,74 @@ def _block_weights(builder, ops, block, scale, bias, bits):
     return [_fma16(builder, low, scale, bias), _fma16(builder, high, scale, bias)]
 
 
+def _emit_block(builder, weight_row, group_shift, accs, rows, block, bits):
+    """Accumulate one 16-byte code block into every row's accumulator(s)."""
+    codes, scales, biases = weight_row
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16_F32, [_V16_F32] * 3), "llvm.fma.v16f32")
+    g = builder.lshr(block, group_shift)
+    scale = builder.load(builder.gep(scales, [g]))
+    bias = builder.load(builder.gep(biases, [g]))
+    weights = _block_weights(builder, codes, block, scale, bias, bits)
+    base = builder.mul(block, ir.Constant(_I64, 16 * len(weights)))
+    for k, row in enumerate(rows):
+        for c, w in enumerate(weights):
+            x16 = _load_x16(builder, row, builder.add(base, ir.Constant(_I64, 16 * c)))
+            builder.store(builder.call(fma, [w, x16, builder.load(accs[k][c])]), accs[k][c])
+
+
+def _emit_feature(builder, ops, o, accs, rows, bits):
+    """out[row0 + k, o] for every row k: all code blocks in order, then a fixed lane sum."""
+    zero = ir.Constant(_V16_F32, [0.0] * 16)
+    for row_accs in accs:
+        for acc in row_accs:
+            builder.store(zero, acc)
+    weight_row = ops.feature(builder, o)
+    num_blocks = builder.shl(ops.num_groups, ops.group_shift)
+    one = ir.Constant(_I64, 1)
+    with cgutils.for_range(builder, builder.lshr(num_blocks, one)) as loop:  # 2 per trip
+        first = builder.shl(loop.index, one)
+        _emit_block(builder, weight_row, ops.group_shift, accs, rows, first, bits)
+        _emit_block(builder, weight_row, ops.group_shift, accs, rows, builder.add(first, one),
+                    bits)
+    with builder.if_then(builder.trunc(num_blocks, ir.IntType(1))):  # odd count: last one
+        _emit_block(builder, weight_row, ops.group_shift, accs, rows,
+                    builder.sub(num_blocks, one), bits)
+    for k, row_accs in enumerate(accs):
+        total = builder.load(row_accs[0])
+        for acc in row_accs[1:]:
+            total = builder.fadd(total, builder.load(acc))
+        ops.store_out(builder, k, o, _hsum16(builder, total))
+
+
 def _fused_dot_codegen(bits, num_rows):
     def codegen(context, builder, sig, args):
         ops = _Operands(context, builder, sig, args)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16_F32, [_V16_F32] * 3), "llvm.fma.v16f32")
         chains = 2 if bits == 4 else 1  # 4-bit: one accumulator per nibble half
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16_F32, [0.0] * 16))
-                 for _ in range(chains)] for _ in range(num_rows)]
+        accs = [[cgutils.alloca_once(builder, _V16_F32) for _ in range(chains)]
+                for _ in range(num_rows)]
         rows = [ops.x_row(builder, k) for k in range(num_rows)]
-        with cgutils.for_range(builder, ops.num_groups) as group_loop:
-            g = group_loop.index
-            scale = builder.load(builder.gep(ops.scales.data, [g]))
-            bias = builder.load(builder.gep(ops.biases, [g]))
-            with cgutils.for_range(builder, ops.blocks_per_group) as block_loop:
-                block = builder.add(builder.mul(g, ops.blocks_per_group), block_loop.index)
-                weights = _block_weights(builder, ops, block, scale, bias, bits)
-                base = builder.mul(block, ir.Constant(_I64, 16 * chains))
-                for k in range(num_rows):
-                    for c in range(chains):
-                        offset = builder.add(base, ir.Constant(_I64, 16 * c))
-                        x16 = _load_x16(builder, rows[k], offset)
-                        acc = builder.call(fma, [weights[c], x16, builder.load(accs[k][c])])
-                        builder.store(acc, accs[k][c])
-        for k in range(num_rows):
-            total = builder.load(accs[k][0])
-            for c in range(1, chains):
-                total = builder.fadd(total, builder.load(accs[k][c]))
-            ops.store_out(builder, k, _hsum16(builder, total))
+        count = builder.sub(ops.last, ops.first)
+        with cgutils.for_range(builder, count) as feature_loop:
+            o = builder.add(ops.first, feature_loop.index)
+            _emit_feature(builder, ops, o, accs, rows, bits)
         return context.get_dummy_value()
 
     return codegen
 
 
-_DOT_DOC = """dot_u{bits}_rows{R}(codes, scales, biases, blocks_per_group, xp, row0, out, col):
-out[row0 + k, col] = xp[row0 + k] . dequant(weight row) for k < R, for one weight row given
-as its codes [in*bits/32] u32, scales/biases [groups] f32 (blocks_per_group 16-byte code blocks
-per group). 4-bit expects xp permuted per 32 elements (even, then odd elements). Each row
+_DOT_DOC = """dot_u{bits}_rows{R}(codes, scales, biases, group_shift, xp, row0, out, first, last):
+out[row0 + k, o] = xp[row0 + k] . dequant(weight row o) for k < R and first <= o < last;
+codes [out_f, in*bits/32] u32, scales/biases [out_f, groups] f32 with 2**group_shift 16-byte
+code blocks per group. 4-bit expects xp permuted per 32 elements (even, then odd elements). Each row
 accumulates block by block into its own 16-lane vector(s) and ends with a fixed halving sum,
 so its result does not depend on R or on the other rows."""
 
 
 def _fused_dot(bits, num_rows):
     @intrinsic
-    def fused(typingctx, codes, scales, biases, bpg, xp, row0, out, col):  # noqa: ARG001
-        sig = types.void(codes, scales, biases, bpg, xp, row0, out, col)
+    def fused(typingctx, codes, scales, biases, group_shift, xp, row0, out, first, last):  # noqa: ARG001
+        sig = types.void(codes, scales, biases, group_shift, xp, row0, out, first, last)
         return sig, _fused_dot_codegen(bits, num_rows)
 
     fused.__doc__ = _DOT_DOC
@@ -224,7 +259,7 @@ def _e4m3_table() -> np.ndarray:
 E4M3_TABLE = _e4m3_table()  # decode LUT, 256 float32
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def to_bf16_bits(x):
     """float32 -> bfloat16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
     x = _F32(x)
@@ -234,19 +269,19 @@ def to_bf16_bits(x):
     return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def from_bf16_bits(h):
     """bfloat16 bits -> float32 (exact)."""
     return u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def bf16_round(x):
     """float32 rounded to the nearest bfloat16, as float32."""
     return from_bf16_bits(to_bf16_bits(x))
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def to_e4m3(x):
     """float32 -> OCP E4M3FN byte: saturate to +-448, round to nearest even, NaN -> 0x7F."""
     x = _F32(x)
@@ -264,7 +299,7 @@ def to_e4m3(x):
     return np.uint8(sign | code)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def from_e4m3(q):
     """OCP E4M3FN byte -> float32."""
     return E4M3_TABLE[np.int64(q)]
@@ -278,7 +313,7 @@ def _kv_store(like, x, scale):
     """float32 -> stored KV element of `like`'s dtype."""
 
 
-@overload(_kv_load, jit_options={"nogil": True})
+@overload(_kv_load, jit_options={"nogil": True, "error_model": "numpy"})
 def _kv_load_impl(value, scale):
     if value == types.float32:
         return lambda value, scale: value
@@ -289,7 +324,7 @@ def _kv_load_impl(value, scale):
     return None
 
 
-@overload(_kv_store, jit_options={"nogil": True})
+@overload(_kv_store, jit_options={"nogil": True, "error_model": "numpy"})
 def _kv_store_impl(like, x, scale):
     if like.dtype == types.float32:
         return lambda like, x, scale: x
@@ -301,7 +336,7 @@ def _kv_store_impl(like, x, scale):
 
 
 # ----------------------------------------------------------------------------- helpers
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(**_JIT, fastmath=True)
 def _dot(a, b):
     # a, b: [n] float32; vectorised reduction, order fixed by n alone
     acc = _F32(0.0)
@@ -310,7 +345,7 @@ def _dot(a, b):
     return acc
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(**_JIT, fastmath=True)
 def _sum(a):
     acc = _F32(0.0)
     for i in range(a.shape[0]):
@@ -318,7 +353,7 @@ def _sum(a):
     return acc
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _exp32(x):
     """float32 e**x in plain arithmetic, so loops calling it vectorise (Cephes expf scheme:
     2**n * poly(r), about 1 ulp). Inputs are clamped to [-87.3, 88]: tiny results become
@@ -336,7 +371,7 @@ def _exp32(x):
     return p * u32_as_f32(np.uint32((np.int32(n) + 127) << 23))
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(**_JIT, fastmath=True)
 def _sum_squares(a):
     acc = _F32(0.0)
     for i in range(a.shape[0]):
@@ -344,13 +379,13 @@ def _sum_squares(a):
     return acc
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _chunk(index, num_chunks, num_items):
     """[start, end) of chunk `index` when `num_items` are split into `num_chunks`."""
     return index * num_items // num_chunks, (index + 1) * num_items // num_chunks
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _num_chunks(num_items):
     # A fixed count (not the thread count: querying it defeats caching); prange deals the
     # chunks out to the threads and each chunk allocates its scratch once.
@@ -358,17 +393,29 @@ def _num_chunks(num_items):
 
 
 # ----------------------------------------------------------------------------- matmuls
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
+def _group_shift(group_size, block_elements):
+    """log2(group_size / block_elements), or -1 unless that is a whole power of two."""
+    if group_size % block_elements != 0:
+        return -1
+    blocks = group_size // block_elements
+    shift = 0
+    while (1 << shift) < blocks:
+        shift += 1
+    return shift if (1 << shift) == blocks else -1
+
+
+@njit(**_JIT)
 def _affine_layout(bits, group_size):
-    # Fast paths need whole 16-byte code blocks inside one scale group.
-    if bits == 4 and group_size % 32 == 0:
+    # Fast paths need each scale group to be 2**k whole 16-byte code blocks.
+    if bits == 4 and _group_shift(group_size, 32) >= 0:
         return _LAYOUT_U4
-    if bits == 8 and group_size % 16 == 0:
+    if bits == 8 and _group_shift(group_size, 16) >= 0:
         return _LAYOUT_U8
     return _LAYOUT_GENERIC
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _dequant_generic(codes, scales, biases, bits, group_size, dst):
     # codes [words] u32 -> dst [in] float32 in natural element order
     per_word = 32 // bits
@@ -380,7 +427,7 @@ def _dequant_generic(codes, scales, biases, bits, group_size, dst):
         dst[i] = fma32(_F32(q), scales[g], biases[g])
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _permute_u4(x):
     # x [rows, in] -> per 32-element block: the 16 even elements, then the 16 odd ones
     xp = np.empty_like(x)
@@ -392,7 +439,7 @@ def _permute_u4(x):
     return xp
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _dot_block(x, w_block, first_feature, num_features, out):
     # out[r, first_feature + j] = x[r] . w_block[j] for every row
     for r in range(x.shape[0]):
@@ -401,42 +448,40 @@ def _dot_block(x, w_block, first_feature, num_features, out):
             out[r, first_feature + j] = _dot(w_block[j], x_row)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _features_per_block(in_features):
     return max(1, min(16, _FEATURE_BLOCK_FLOATS // max(1, in_features)))
 
 
-@njit(nogil=True, cache=True)
-def _fused_dot(codes, scales, biases, layout, blocks_per_group, xp, row0, num_rows, o, out):
-    # out[row0:row0 + num_rows, o] for one weight row (num_rows 4 or 1: same per-row math)
+@njit(**_JIT)
+def _fused_tile(codes, scales, biases, layout, group_shift, xp, row0, num_rows, first, last, out):
+    # out[row0:row0 + num_rows, first:last] (num_rows 4 or 1: the same per-row arithmetic)
     if num_rows == 4:
         if layout == _LAYOUT_U4:
-            dot_u4_rows4(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+            dot_u4_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last)
         else:
-            dot_u8_rows4(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+            dot_u8_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last)
     elif layout == _LAYOUT_U4:
-        dot_u4_rows1(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+        dot_u4_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last)
     else:
-        dot_u8_rows1(codes, scales, biases, blocks_per_group, xp, row0, out, o)
+        dot_u8_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out):
     # Output features [first, last) in tiles of 16 features x 4 rows, so that both the
     # tile's codes and the 4 rows of x stay in L1 while they are reused.
-    blocks_per_group = group_size // (32 if layout == _LAYOUT_U4 else 16)
+    group_shift = _group_shift(group_size, 32 if layout == _LAYOUT_U4 else 16)
     rows = xp.shape[0]
     for o0 in range(first, last, 16):
         o1 = min(o0 + 16, last)
-        for r in range(0, rows, 4):
-            num_rows = 4 if r + 4 <= rows else 1
-            for r1 in range(r, min(r + 4, rows), num_rows):
-                for o in range(o0, o1):
-                    _fused_dot(codes[o], scales[o], biases[o], layout, blocks_per_group, xp,
-                               r1, num_rows, o, out)
+        for r in range(0, rows - rows % 4, 4):
+            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 4, o0, o1, out)
+        for r in range(rows - rows % 4, rows):
+            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 1, o0, o1, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out):
     # Dequantize a few weight rows into an L1-sized buffer, then dot them with every row.
     per_block = _features_per_block(x.shape[1])
@@ -449,7 +494,7 @@ def _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, las
         _dot_block(x, w_block, o0, count, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _affine_chunk(chunk, num_chunks, x, xp, codes, scales, biases, bits, group_size, layout, out):
     first, last = _chunk(chunk, num_chunks, codes.shape[0])
     if layout == _LAYOUT_GENERIC:
@@ -458,7 +503,7 @@ def _affine_chunk(chunk, num_chunks, x, xp, codes, scales, biases, bits, group_s
         _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out)
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(**_JIT, parallel=True)
 def _affine_parallel(x, xp, codes, scales, biases, bits, group_size, layout, out):
     num_chunks = _num_chunks(codes.shape[0])
     for chunk in prange(num_chunks):
@@ -466,7 +511,7 @@ def _affine_parallel(x, xp, codes, scales, biases, bits, group_size, layout, out
                       out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def matmul_affine(x, codes, scales, biases, bits, group_size, out):
     """out = x @ dequant(codes, scales, biases).T. x [rows, in], codes [out_f, in*bits/32] u32,
     scales/biases [out_f, in/group_size]. Each weight row is dequantized in registers once
@@ -484,7 +529,7 @@ def matmul_affine(x, codes, scales, biases, bits, group_size, out):
         _affine_chunk(0, 1, x, xp, codes, scales, biases, bits, group_size, layout, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _dense_chunk(chunk, num_chunks, x, w, out):
     per_block = _features_per_block(w.shape[1])
     first, last = _chunk(chunk, num_chunks, w.shape[0])
@@ -493,14 +538,14 @@ def _dense_chunk(chunk, num_chunks, x, w, out):
         _dot_block(x, w[o0:o0 + count], o0, count, out)
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(**_JIT, parallel=True)
 def _dense_parallel(x, w, out):
     num_chunks = _num_chunks(w.shape[0])
     for chunk in prange(num_chunks):
         _dense_chunk(chunk, num_chunks, x, w, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def matmul_dense(x, w, out):
     """out = x @ w.T. x [rows, in], w [out_f, in] float32."""
     if x.shape[0] == 0 or w.shape[0] == 0:
@@ -511,14 +556,14 @@ def matmul_dense(x, w, out):
         _dense_chunk(0, 1, x, w, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def embed_dense(w, ids, out):
     """out[r] = w[ids[r]]. w [V, H], ids [rows] int64."""
     for r in range(ids.shape[0]):
         out[r, :] = w[ids[r], :]
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def embed_affine(codes, scales, biases, bits, group_size, ids, out):
     """out[r] = dequantized row ids[r] (natural element order)."""
     for r in range(ids.shape[0]):
@@ -527,7 +572,7 @@ def embed_affine(codes, scales, biases, bits, group_size, ids, out):
 
 
 # ----------------------------------------------------------------------------- row-wise ops
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def rms_norm(x, w, eps, out):
     """out = x * rsqrt(mean(x^2) + eps) * w over the last axis. x [rows, dim], w [dim]."""
     dim = x.shape[1]
@@ -539,7 +584,7 @@ def rms_norm(x, w, eps, out):
             out[r, i] = (x[r, i] * inv) * w[i]
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def rope(x, positions, inv_freq, mscale):
     """Rotate-half RoPE in place on the first 2*len(inv_freq) dims of each head.
     x [rows, heads, hd], positions [rows] int64, inv_freq [rot/2] float32. The angle
@@ -562,7 +607,7 @@ def rope(x, positions, inv_freq, mscale):
                 x[r, h, i + half] = b * cos[i] + a * sin[i]
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def silu_mul(gate, up, out):
     """out = silu(gate) * up. All [rows, I] float32."""
     for r in range(gate.shape[0]):
@@ -572,7 +617,7 @@ def silu_mul(gate, up, out):
 
 
 # ----------------------------------------------------------------------------- KV cache
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def kv_write(k, v, kv_layer, slots, k_scale, v_scale):
     """Convert and store rows: kv_layer [2, num_slots, nkv, hd] (f32 / bf16 bits / e4m3),
     k, v [rows, nkv, hd] float32, slots [rows] int64. fp8 stores e4m3(x / scale)."""
@@ -585,7 +630,7 @@ def kv_write(k, v, kv_layer, slots, k_scale, v_scale):
                 kv_layer[1, slot, h, d] = _kv_store(kv_layer, v[r, h, d], scales[1])
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def zero_pages(kv, page_ids, page_size):
     """Zero the K and V slots of `page_ids` in every layer. kv: the whole arena."""
     for layer in range(kv.shape[0]):
@@ -595,42 +640,33 @@ def zero_pages(kv, page_ids, page_size):
                 kv[layer, kind, first:first + page_size] = 0
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _dot_kv(q_row, k_row, k_scale):
-    # q_row [hd] float32 . k_row [hd] stored KV (converted to float32)
-    acc = _F32(0.0)
-    for d in range(q_row.shape[0]):
-        acc += q_row[d] * _kv_load(k_row[d], k_scale)
-    return acc
-
-
-@njit(nogil=True, cache=True)
-def _add_value(acc, p, v_row, v_scale):
-    # acc [hd] += p * v_row; called once per key, in ascending position
-    for d in range(acc.shape[0]):
-        acc[d] += p * _kv_load(v_row[d], v_scale)
-
-
-@njit(nogil=True, cache=True)
+@njit(**_JIT, fastmath=True)
 def _key_scores(q_row, kv_layer, k_scale, pages, num_keys, page_size, kv_head, sm_scale,
                 scores):
-    # scores[j] = q . K[j] * sm_scale for positions j < num_keys; pages: the stream's table row
+    # scores[j] = q . K[j] * sm_scale for positions j < num_keys; pages: the stream's table row.
+    # fastmath lets the dot vectorise; its lane order depends on head_dim alone.
     for first in range(0, num_keys, page_size):
         base = np.int64(pages[first // page_size]) * page_size
         for i in range(min(page_size, num_keys - first)):
-            scores[first + i] = _dot_kv(q_row, kv_layer[0, base + i, kv_head], k_scale) * sm_scale
+            acc = _F32(0.0)
+            for d in range(q_row.shape[0]):
+                acc += q_row[d] * _kv_load(kv_layer[0, base + i, kv_head, d], k_scale)
+            scores[first + i] = acc * sm_scale
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _weighted_values(probs, kv_layer, v_scale, pages, num_keys, page_size, kv_head, acc):
+    # acc [hd] = sum_j probs[j] * V[j], adding one key at a time in ascending position
     acc[:] = 0
     for first in range(0, num_keys, page_size):
         base = np.int64(pages[first // page_size]) * page_size
         for i in range(min(page_size, num_keys - first)):
-            _add_value(acc, probs[first + i], kv_layer[1, base + i, kv_head], v_scale)
+            p = probs[first + i]
+            for d in range(acc.shape[0]):
+                acc[d] += p * _kv_load(kv_layer[1, base + i, kv_head, d], v_scale)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _softmax_in_place(scores, num_keys):
     # scores[:num_keys] -> exp(s - max); returns their sum
     peak = scores[0]
@@ -641,7 +677,7 @@ def _softmax_in_place(scores, num_keys):
     return _sum(scores[:num_keys])
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _attend_one(q_row, kv_layer, scales, pages, pos, page_size, sm_scale, kv_head, scores,
                 acc, out_row):
     # One (row, head): causal attention over positions 0..pos of the stream owning `pages`.
@@ -653,7 +689,7 @@ def _attend_one(q_row, kv_layer, scales, pages, pos, page_size, sm_scale, kv_hea
         out_row[d] = acc[d] / total
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
                      page_size, sm_scale, out):
     rows, num_heads, head_dim = q.shape
@@ -667,7 +703,7 @@ def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_se
                     sm_scale, h // group, scores, acc, out[r, h])
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(**_JIT, parallel=True)
 def _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
                         out):
     num_chunks = _num_chunks(q.shape[0] * q.shape[1])
@@ -676,7 +712,7 @@ def _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page
                          page_size, sm_scale, out)
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size,
                     sm_scale, out):
     """Causal GQA over paged KV. q/out [rows, nh, hd] float32; kv_layer [2, num_slots, nkv, hd];
@@ -697,7 +733,7 @@ def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos
 
 
 # ----------------------------------------------------------------------------- MoE routing
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _softmax_row(logits, probs):
     peak = logits[0]
     for e in range(1, logits.shape[0]):
@@ -710,7 +746,7 @@ def _softmax_row(logits, probs):
         probs[e] = probs[e] / total
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def _take_best(probs, taken):
     # highest untaken probability; ties go to the lower expert id
     best = -1
@@ -721,7 +757,7 @@ def _take_best(probs, taken):
     return best
 
 
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
     """Softmax over all experts (float32), then top-k (descending weight, ties: lower id
     first), optionally renormalised to sum 1. logits [rows, E]; out_ids/out_weights [rows, k]."""
@@ -743,7 +779,7 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
 
 
 # ----------------------------------------------------------------------------- validation
-@njit(nogil=True, cache=True)
+@njit(**_JIT)
 def first_bad_page_row(block_table, row_seq, row_pos, page_size, num_pages):
     """First row whose stream or pages (positions 0..row_pos) fall outside the block table or
     the arena; -1 when every row is valid. Used by CpuOps before paged_attention."""

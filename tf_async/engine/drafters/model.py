@@ -33,8 +33,10 @@ MakeContexts = Callable[["Runner", AreaLayout, int], DraftContexts]
 class ModelDrafter:
     name = "draft"
 
-    def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts):
+    def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts,
+                 draft_tokens: int):
         self.decoder = decoder
+        self.draft_tokens = draft_tokens
         self.ops = decoder.ops
         self.kv_scales = kv_scales
         self.contexts = contexts
@@ -56,6 +58,7 @@ class ModelDrafter:
     def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Catch the ring up to the stream's tokens, then draft up to `limit` tokens."""
         ctx = self.contexts.get(seq)
+        limit = min(limit, self.draft_tokens)
         if ctx is None or limit <= 0:
             return ()
         try:
@@ -138,7 +141,8 @@ def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt
     assert path is not None
     draft, decoder, kv_scales = _load_draft(path, ckpt, runner, options["kv_dtype"])
     layout = AreaLayout.for_model(draft.config, capacity, options["kv_dtype"])
-    return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas))
+    return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas),
+                        options["draft_tokens"])
 
 
 def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202

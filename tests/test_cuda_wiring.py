@@ -1,0 +1,104 @@
+"""Backend wiring, checked on the CPU: --device cuda without a GPU/CuPy is a clear error, and
+the engine reaches the device only through the Ops calls a GPU backend implements
+(upload_linear / asarray at load, alloc_kv for the arena, to_host on logits, synchronize on
+lane release)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from tf_async import BadInputError, Engine
+from tf_async.backend.cpu.ops import CpuOps
+from tf_async.backend.select import make_ops
+from tf_async.models.decoder import Decoder
+from tf_async.models.weights import AffineWeight, DenseWeight
+
+
+@pytest.fixture()
+def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+
+
+def test_device_cuda_without_cupy_is_a_clear_error(no_cupy) -> None:  # noqa: ANN001
+    with pytest.raises(BadInputError, match="--device cuda needs CuPy") as info:
+        make_ops("cuda")
+    assert info.value.param == "device"
+
+
+def test_device_auto_without_cupy_falls_back_to_cpu(no_cupy) -> None:  # noqa: ANN001
+    assert make_ops("auto").name == "cpu"
+
+
+def test_unknown_device_is_refused() -> None:
+    with pytest.raises(BadInputError, match="unknown device"):
+        make_ops("tpu")
+
+
+@pytest.mark.asyncio
+async def test_engine_on_cuda_without_gpu_fails_at_start(tiny_llama, no_cupy) -> None:  # noqa: ANN001
+    with pytest.raises(BadInputError, match="CuPy"):
+        async with Engine(tiny_llama, device="cuda", parallel=1, ctx=64):
+            pass
+
+
+class RecordingOps(CpuOps):
+    """CpuOps that counts the calls crossing the host/device boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.uploaded: list[object] = []
+
+    def asarray(self, array: np.ndarray) -> np.ndarray:
+        self.calls["asarray"] += 1
+        return super().asarray(array)
+
+    def upload_linear(self, w):  # noqa: ANN001, ANN201
+        self.calls["upload_linear"] += 1
+        self.uploaded.append(w)
+        return super().upload_linear(w)
+
+    def to_host(self, array: np.ndarray) -> np.ndarray:
+        self.calls["to_host"] += 1
+        return super().to_host(array)
+
+    def alloc_kv(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+        self.calls["alloc_kv"] += 1
+        return super().alloc_kv(*args, **kw)
+
+    def synchronize(self) -> None:
+        self.calls["synchronize"] += 1
+
+
+def test_decoder_uploads_every_weight_once(tiny_llama) -> None:  # noqa: ANN001
+    ops = RecordingOps()
+    Decoder(tiny_llama, ops)
+    w = tiny_llama.weights
+    linears = {id(x) for layer in w.layers for x in (layer.q, layer.k, layer.v, layer.o,
+                                                    layer.gate, layer.up, layer.down)}
+    linears |= {id(w.embed), id(w.lm_head)}  # tied: one object, uploaded once
+    assert {id(x) for x in ops.uploaded} == linears
+    assert ops.calls["upload_linear"] == len(linears)
+    assert all(isinstance(x, DenseWeight | AffineWeight) for x in ops.uploaded)
+    # norms (2 a layer + final) and the RoPE table go through asarray
+    assert ops.calls["asarray"] == 2 * len(w.layers) + 1 + 1
+
+
+@pytest.mark.asyncio
+async def test_engine_reaches_the_device_only_through_ops(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+    from tf_async.engine import build
+
+    ops = RecordingOps()
+    monkeypatch.setattr(build, "make_ops", lambda device: ops)
+    async with Engine(tiny_llama, device="cuda", parallel=2, ctx=64) as eng:
+        assert eng.parts.ops is ops
+        first = await eng.complete("abc", max_tokens=3, temperature=0.0)
+        releases = ops.calls["synchronize"]
+        second = await eng.complete("abcd", max_tokens=4, temperature=0.0)
+    assert ops.calls["alloc_kv"] == 1  # the arena, once
+    assert ops.calls["to_host"] >= len(first.token_ids) + len(second.token_ids)  # logits each round
+    assert releases >= 1 and ops.calls["synchronize"] >= releases + 1  # each release drains

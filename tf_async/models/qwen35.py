@@ -1,0 +1,457 @@
+"""Qwen3.5 / Qwen3.6 hybrids (`qwen3_5` dense, `qwen3_5_moe`): Gated DeltaNet layers and gated
+full-attention layers (MODELS.md section 5, docs/QWEN35.md).
+
+`HybridDecoder.forward(batch, kv, kv_scales)` has the Decoder's signature. The decoder holds
+weights only; each stream's recurrent state (conv + delta rule per GDN layer) lives in a
+`RecurrentStates` store indexed by lane (`batch.seq_lanes[batch.row_seq[r]]`), allocated once
+for all lanes by the engine and attached to the decoder (or passed to `forward`).
+
+KV layers: only full-attention layers have K/V. `HybridConfig.kv_config` (also the
+checkpoint's and the decoder's `config`) is a ModelConfig whose `num_layers` counts those
+layers, so an arena sized from `decoder.config` holds exactly them; trunk layer ℓ of kind
+full_attention uses arena layer `kv_layer_of[ℓ]`. The trunk's layer count is
+`HybridConfig.num_trunk_layers`.
+
+Every op is batch-invariant and the GDN kernels run the exact per-token recurrence, so a
+row's logits never depend on how its prompt was cut into steps or on the other streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from ..backend.base import Array, Ops
+from .config import ModelConfig
+from .decoder import ForwardBatch
+from .rope import rope_tables
+from .weights import DenseWeight, Linear
+
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+L2_EPS = 1e-6  # HF l2norm eps of the GDN q/k
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig:
+    """The hybrid-specific part of the config; `kv_config` is what the engine sizes KV by."""
+
+    kv_config: ModelConfig  # num_layers = number of full-attention (KV) layers
+    layer_types: tuple[str, ...]  # per trunk layer: linear_attention | full_attention
+    linear_num_key_heads: int  # Hk
+    linear_num_value_heads: int  # Hv
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    linear_conv_kernel_dim: int  # K
+    shared_expert_intermediate_size: int = 0  # Is (MoE)
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
+
+    @property
+    def num_trunk_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.kv_config.num_experts > 0
+
+    @property
+    def conv_channels(self) -> int:
+        """C = 2*Hk*dk + Hv*dv (in_proj_qkv rows, order [q | k | v])."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    def state_index(self, layer: int) -> int:
+        """GDN state index (recurrent store) or KV layer index (arena) of trunk `layer`."""
+        kind = self.layer_types[layer]
+        return self.layer_types[:layer].count(kind)
+
+
+# ---------------------------------------------------------------------------------------
+# weights (loaded by hf_qwen35.py; norms already in the N1 form the kernels apply)
+
+
+@dataclass(slots=True)
+class GatedAttentionWeights:
+    q: Linear  # [2*nh*hd, H], per head [query | gate]
+    k: Linear  # [nkv*hd, H]
+    v: Linear  # [nkv*hd, H]
+    o: Linear  # [H, nh*hd]
+    q_norm: Array  # [hd] (1 + w folded)
+    k_norm: Array  # [hd]
+
+
+@dataclass(slots=True)
+class DeltaNetWeights:
+    in_qkv: Linear  # [C, H]
+    in_z: Linear  # [Hv*dv, H]
+    in_b: Linear  # [Hv, H]
+    in_a: Linear  # [Hv, H]
+    conv: Array  # [C, K] float32
+    a_log: Array  # [Hv] float32
+    dt_bias: Array  # [Hv] float32
+    norm: Array  # [dv] plain weight (N3, never shifted)
+    out: Linear  # [H, Hv*dv]
+
+
+@dataclass(slots=True)
+class DenseFfnWeights:
+    gate: Linear  # SwiGLU [I, H]
+    up: Linear  # [I, H]
+    down: Linear  # [H, I]
+
+
+@dataclass(slots=True)
+class MoeFfnWeights:
+    router: Linear  # [E, H]
+    experts_gate: Linear  # stacked [E, Im, H]
+    experts_up: Linear  # stacked [E, Im, H]
+    experts_down: Linear  # stacked [E, H, Im]
+    shared_gate: Linear  # [Is, H]
+    shared_up: Linear  # [Is, H]
+    shared_down: Linear  # [H, Is]
+    shared_expert_gate: Linear  # [1, H]
+
+
+FfnWeights = DenseFfnWeights | MoeFfnWeights
+
+
+@dataclass(slots=True)
+class HybridLayerWeights:
+    kind: str  # linear_attention | full_attention
+    input_norm: Array  # [H]
+    post_norm: Array  # [H]
+    mixer: GatedAttentionWeights | DeltaNetWeights
+    ffn: FfnWeights
+
+
+@dataclass(slots=True)
+class MtpWeights:
+    fc: Linear  # [H, 2H], input [norm(embed) | norm(hidden)]
+    pre_fc_norm_embedding: Array  # [H]
+    pre_fc_norm_hidden: Array  # [H]
+    norm: Array  # [H]
+    layer: HybridLayerWeights  # one full-attention layer
+
+
+@dataclass(slots=True)
+class HybridWeights:
+    hybrid: HybridConfig
+    embed: Linear  # [V, H]
+    lm_head: Linear  # [V, H]; the embed object when tied
+    final_norm: Array  # [H]
+    layers: list[HybridLayerWeights]
+    mtp: MtpWeights | None = None  # None when the files ship no mtp.* tensors
+    mtp_status: str = "not declared"  # "present", or why `mtp` is None (checkpoint.meta["mtp"])
+    rope_freq_divisors: Array | None = None
+
+
+def upload_tree(value: Any, ops: Ops, cache: dict[int, Any]) -> Any:
+    """Move every array / Linear of a weights dataclass tree to the ops' device once."""
+    if value is None or isinstance(value, str | HybridConfig):
+        return value
+    if id(value) in cache:  # tied embeddings stay one object
+        return cache[id(value)]
+    if isinstance(value, np.ndarray):
+        out = ops.asarray(value)
+    elif isinstance(value, list):
+        out = [upload_tree(v, ops, cache) for v in value]
+    elif isinstance(value, _WEIGHT_TYPES):
+        out = replace(value, **{f.name: upload_tree(getattr(value, f.name), ops, cache)
+                                for f in fields(value)})  # type: ignore[type-var]
+    else:
+        out = _upload_linear(value, ops)
+    cache[id(value)] = out
+    return out
+
+
+def _upload_linear(w: Linear, ops: Ops) -> Linear:
+    stacked = (w.w if isinstance(w, DenseWeight) else w.codes).ndim == 3
+    if stacked and ops.name == "cpu":
+        for expert in range(_num_experts(w)):
+            ops.upload_linear(w.expert(expert))  # CpuOps checks 2-D weights; host arrays stay
+        return w
+    return ops.upload_linear(w)
+
+
+def _num_experts(w: Linear) -> int:
+    return int((w.w if isinstance(w, DenseWeight) else w.codes).shape[0])
+
+
+_WEIGHT_TYPES = (GatedAttentionWeights, DeltaNetWeights, DenseFfnWeights, MoeFfnWeights,
+                 HybridLayerWeights, MtpWeights, HybridWeights)
+
+
+# ---------------------------------------------------------------------------------------
+# per-lane recurrent state
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    num_gdn_layers: int
+    num_lanes: int
+    conv_shape: tuple[int, int]  # [K-1, C] per lane and layer
+    delta_shape: tuple[int, int, int]  # [Hv, dk, dv]
+
+    @property
+    def bytes_per_lane(self) -> int:
+        return 4 * self.num_gdn_layers * (math.prod(self.conv_shape) + math.prod(self.delta_shape))
+
+
+class RecurrentStates:
+    """Conv and delta-rule state of every GDN layer for every lane, float32 on the ops' device,
+    plus one saved copy per lane for draft rollback (`snapshot` / `restore`).
+
+        conv  [gdn_layers, lanes, K-1, C]      delta [gdn_layers, lanes, Hv, dk, dv]
+
+    Allocated once; `zero(lane)` when a lane opens (a stream starts from zero state)."""
+
+    def __init__(self, hybrid: HybridConfig, num_lanes: int, xp: Any = np,
+                 with_snapshots: bool = True):
+        if num_lanes < 1:
+            raise ValueError(f"RecurrentStates: num_lanes must be >= 1, got {num_lanes}")
+        kernel = hybrid.linear_conv_kernel_dim
+        self.layout = StateLayout(
+            len(hybrid.gdn_layers), num_lanes, (kernel - 1, hybrid.conv_channels),
+            (hybrid.linear_num_value_heads, hybrid.linear_key_head_dim,
+             hybrid.linear_value_head_dim))
+        self.xp = xp
+        self.conv = self._zeros(self.layout.conv_shape)
+        self.delta = self._zeros(self.layout.delta_shape)
+        self.saved_conv = self._zeros(self.layout.conv_shape) if with_snapshots else None
+        self.saved_delta = self._zeros(self.layout.delta_shape) if with_snapshots else None
+
+    def _zeros(self, per_lane: tuple[int, ...]) -> Array:
+        shape = (self.layout.num_gdn_layers, self.layout.num_lanes, *per_lane)
+        return self.xp.zeros(shape, dtype=np.float32)
+
+    @property
+    def num_lanes(self) -> int:
+        return self.layout.num_lanes
+
+    @property
+    def bytes_per_lane(self) -> int:
+        """Live state of one lane (conv + delta, all GDN layers)."""
+        return self.layout.bytes_per_lane
+
+    @property
+    def snapshot_bytes_per_lane(self) -> int:
+        return self.layout.bytes_per_lane if self.saved_conv is not None else 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Everything allocated: live state and snapshots of every lane."""
+        return self.num_lanes * (self.bytes_per_lane + self.snapshot_bytes_per_lane)
+
+    def zero(self, lane: int) -> None:
+        """A lane opens: its stream starts from zero conv and delta state."""
+        self._check_lanes([lane])
+        self.conv[:, lane] = 0
+        self.delta[:, lane] = 0
+
+    def snapshot(self, lanes: list[int] | tuple[int, ...]) -> None:
+        """Save the lanes' state (before a verify pass over drafted rows)."""
+        idx = self._index(lanes)
+        self.saved_conv[:, idx] = self.conv[:, idx]  # type: ignore[index]
+        self.saved_delta[:, idx] = self.delta[:, idx]  # type: ignore[index]
+
+    def restore(self, lanes: list[int] | tuple[int, ...]) -> None:
+        """Put back the state saved by the last `snapshot` of these lanes."""
+        idx = self._index(lanes)
+        self.conv[:, idx] = self.saved_conv[:, idx]  # type: ignore[index]
+        self.delta[:, idx] = self.saved_delta[:, idx]  # type: ignore[index]
+
+    def _index(self, lanes: list[int] | tuple[int, ...]) -> Array:
+        if self.saved_conv is None:
+            raise ValueError("RecurrentStates: allocated without snapshots (with_snapshots=False)")
+        self._check_lanes(lanes)
+        return self.xp.asarray(np.asarray(list(lanes), dtype=np.int64))
+
+    def _check_lanes(self, lanes: list[int] | tuple[int, ...]) -> None:
+        bad = [lane for lane in lanes if not 0 <= int(lane) < self.num_lanes]
+        if bad:
+            raise ValueError(f"RecurrentStates: lanes {bad} outside [0, {self.num_lanes})")
+
+
+# ---------------------------------------------------------------------------------------
+# the decoder
+
+
+class HybridDecoder:
+    """Qwen3.5 trunk on an Ops backend. `config` is the KV view (see the module docstring)."""
+
+    def __init__(self, ckpt: Any, ops: Ops, states: RecurrentStates | None = None):
+        weights: HybridWeights = ckpt.weights
+        self.hybrid = weights.hybrid
+        self.config = self.hybrid.kv_config
+        self.ops = ops
+        self.kernels = gdn_kernels_for(ops)
+        self.weights: HybridWeights = upload_tree(weights, ops, {})
+        inv_freq, self.mscale = rope_tables(self.config, None)
+        self.inv_freq = ops.asarray(inv_freq)
+        self.sm_scale = 1.0 / math.sqrt(self.config.head_dim)
+        self.states = states
+
+    def new_states(self, num_lanes: int, with_snapshots: bool = True) -> RecurrentStates:
+        """A zeroed store for `num_lanes` lanes on this decoder's device."""
+        return RecurrentStates(self.hybrid, num_lanes, self.ops.xp, with_snapshots)
+
+    def attach_states(self, states: RecurrentStates) -> None:
+        self.states = states
+
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                states: RecurrentStates | None = None, all_hidden: bool = False
+                ) -> tuple[Array, Array]:
+        """Run the rows; return (logits [m, V] of batch.logit_rows, final-normed hidden [m, H]
+        of those rows, or of every row when `all_hidden`). Advances the lanes' states."""
+        states = states if states is not None else self.states
+        if states is None:
+            raise ValueError("HybridDecoder.forward: no RecurrentStates attached or passed")
+        row_lanes = self._row_lanes(batch, states)
+        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        h = ops.embed(w.embed, batch.token_ids)
+        for index, layer in enumerate(w.layers):
+            a = ops.rms_norm(h, layer.input_norm, eps)
+            slot = self.hybrid.state_index(index)
+            if isinstance(layer.mixer, DeltaNetWeights):
+                h = h + self.deltanet(layer.mixer, a, states.conv[slot], states.delta[slot],
+                                      row_lanes)
+            else:
+                h = h + self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
+            h = h + self.ffn(layer.ffn, ops.rms_norm(h, layer.post_norm, eps))
+        hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm, eps)
+        logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
+        return ops.linear(logit_hidden, w.lm_head), hidden
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        """Forward with fresh zero states, one lane per block-table row (calibration, tests)."""
+        num_seqs = int(batch.block_table.shape[0])
+        lanes = self.ops.asarray(np.arange(num_seqs, dtype=np.int32))
+        return self.forward(replace(batch, seq_lanes=lanes), kv, kv_scales,
+                            states=self.new_states(num_seqs, with_snapshots=False))
+
+    def _row_lanes(self, batch: ForwardBatch, states: RecurrentStates) -> Array:
+        """Lane of each row, int32 [rows]: seq_lanes[row_seq[r]], checked against the store."""
+        if batch.seq_lanes is None:
+            raise ValueError("HybridDecoder.forward: batch.seq_lanes is required (lane of each "
+                             "block-table row) to index the recurrent state")
+        lanes = self.ops.to_host(batch.seq_lanes)
+        if lanes.size and (int(lanes.min()) < 0 or int(lanes.max()) >= states.num_lanes):
+            raise ValueError(f"HybridDecoder.forward: seq_lanes {lanes.tolist()} outside "
+                             f"[0, {states.num_lanes})")
+        xp = self.ops.xp
+        return xp.ascontiguousarray(xp.asarray(batch.seq_lanes)[batch.row_seq], dtype=np.int32)
+
+    # ---- mixers -----------------------------------------------------------------------
+    def deltanet(self, w: DeltaNetWeights, a: Array, conv_states: Array, delta_states: Array,
+                 row_lanes: Array) -> Array:
+        """One GDN layer over rows of any streams (docs/QWEN35.md section 4).
+        a: [rows, H]; conv_states [lanes, K-1, C], delta_states [lanes, Hv, dk, dv] (updated)."""
+        hyb, ops, kern = self.hybrid, self.ops, self.kernels
+        rows = a.shape[0]
+        hk, hv = hyb.linear_num_key_heads, hyb.linear_num_value_heads
+        dk, dv = hyb.linear_key_head_dim, hyb.linear_value_head_dim
+        mixed = kern.empty((rows, hyb.conv_channels))
+        kern.causal_conv1d_batch(ops.linear(a, w.in_qkv), conv_states, w.conv, row_lanes, mixed)
+        q, k = kern.empty((rows, hk, dk)), kern.empty((rows, hk, dk))
+        kern.gdn_qk_l2norm(mixed, hk, dk, L2_EPS, dk ** -0.5, q, k)
+        g, beta = kern.empty((rows, hv)), kern.empty((rows, hv))
+        kern.gdn_gates(ops.linear(a, w.in_a), ops.linear(a, w.in_b), w.a_log, w.dt_bias, g, beta)
+        v = mixed[:, 2 * hk * dk:].reshape(rows, hv, dv)
+        o = kern.empty((rows, hv, dv))
+        kern.gated_delta_rule_batch(q, k, v, g, beta, delta_states, row_lanes, o)
+        y = kern.empty((rows, hv, dv))
+        z = ops.linear(a, w.in_z).reshape(rows, hv, dv)
+        kern.gated_rms_norm(o, z, w.norm, self.config.rms_norm_eps, y)
+        return ops.linear(y.reshape(rows, hv * dv), w.out)
+
+    def attention(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
+                  kv_layer: int, kv_scales: Array) -> Array:
+        """Gated full attention (MODELS.md 5.4) writing K/V into arena layer `kv_layer`."""
+        ops, cfg, kern = self.ops, self.config, self.kernels
+        rows, nh, hd = a.shape[0], cfg.num_heads, cfg.head_dim
+        q, gate = kern.empty((rows, nh, hd)), kern.empty((rows, nh * hd))
+        kern.split_query_gate(ops.linear(a, w.q), nh, hd, q, gate)
+        k = ops.linear(a, w.k).reshape(rows, cfg.num_kv_heads, hd)
+        v = ops.linear(a, w.v).reshape(rows, cfg.num_kv_heads, hd)
+        q = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+        k = ops.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        ops.rope(q, batch.positions, self.inv_freq, self.mscale)
+        ops.rope(k, batch.positions, self.inv_freq, self.mscale)
+        ops.kv_write(kv, kv_layer, k, v, batch.slots, kv_scales)
+        o = ops.attention(q, kv, kv_layer, kv_scales, batch.block_table, batch.row_seq,
+                          batch.positions, batch.page_size, self.sm_scale).reshape(rows, nh * hd)
+        kern.sigmoid_gate_mul(o, gate, o)
+        return ops.linear(o, w.o)
+
+    def ffn(self, w: FfnWeights, x: Array) -> Array:
+        """Dense SwiGLU, or routed experts (top-k renormalised) + sigmoid-gated shared expert."""
+        ops = self.ops
+        if isinstance(w, DenseFfnWeights):
+            return ops.linear(ops.silu_mul(ops.linear(x, w.gate), ops.linear(x, w.up)), w.down)
+        routed = ops.moe(x, w.router, w.experts_gate, w.experts_up, w.experts_down,
+                         self.config.num_experts_per_tok, True)
+        shared = ops.linear(ops.silu_mul(ops.linear(x, w.shared_gate), ops.linear(x, w.shared_up)),
+                            w.shared_down)
+        xp = ops.xp  # the [rows, 1] gate broadcast over H, then the kernel's sigmoid multiply
+        gate = xp.ascontiguousarray(xp.broadcast_to(ops.linear(x, w.shared_expert_gate),
+                                                    shared.shape))
+        self.kernels.sigmoid_gate_mul(shared, gate, shared)
+        return routed + shared
+
+
+# ---------------------------------------------------------------------------------------
+# GDN kernels of the ops' backend
+
+
+class GdnKernels:
+    """The launchers of backend/cpu/gdn.py or cuda_kernels/gdn.py with output allocation."""
+
+    def __init__(self, module: Any, xp: Any, stream: Any = None):
+        self.module = module
+        self.xp = xp
+        self.stream = stream
+
+    def empty(self, shape: tuple[int, ...]) -> Array:
+        return self.xp.empty(shape, dtype=np.float32)
+
+    def __getattr__(self, name: str) -> Any:
+        launcher = getattr(self.module, name)
+        if self.stream is None:
+            return launcher
+        return lambda *args: launcher(*args, stream=self.stream())
+
+
+def gdn_kernels_for(ops: Ops) -> GdnKernels:
+    """CPU: the Numba twins; CUDA: the Numba CUDA launchers on the ops' current stream."""
+    if ops.name == "cpu":
+        from ..backend.cpu import gdn
+
+        return GdnKernels(gdn, ops.xp)
+    from cuda_kernels import gdn as cuda_gdn  # noqa: PLC0415 - only CUDA runs import it
+
+    return GdnKernels(cuda_gdn, ops.xp, getattr(ops, "_stream", None))
+
+
+def make_decoder(checkpoint: Any, ops: Ops, *, num_lanes: int = 1) -> Any:
+    """The decoder for a checkpoint: HybridDecoder (with a RecurrentStates store for
+    `num_lanes` lanes attached) for qwen3_5 / qwen3_5_moe, else the dense Decoder."""
+    if isinstance(checkpoint.weights, HybridWeights):
+        decoder = HybridDecoder(checkpoint, ops)
+        decoder.attach_states(decoder.new_states(num_lanes))
+        return decoder
+    from .decoder import Decoder
+
+    return Decoder(checkpoint, ops)
