@@ -29,6 +29,8 @@ _ENGINE_GAUGES = (
     ("tf_kv_pages_total", "pages_total", "KV pages in the arena."),
     ("tf_queue_depth", "queued", "Requests waiting for a lane."),
     ("tf_requests_running", "running", "Requests running in the engine."),
+    ("tf_draft_areas_in_use", "draft_areas_in_use", "Drafter areas held by open lanes' runs."),
+    ("tf_draft_area_bytes_in_use", "draft_area_bytes_in_use", "Bytes of drafter areas in use."),
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)

@@ -780,6 +780,15 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
 
 # ----------------------------------------------------------------------------- validation
 @njit(**_JIT)
+def any_out_of_range(values, low, high):
+    """True when some value lies outside [low, high) (CpuOps' check of index arrays)."""
+    for i in range(values.shape[0]):
+        if values[i] < low or values[i] >= high:
+            return True
+    return False
+
+
+@njit(**_JIT)
 def first_bad_page_row(block_table, row_seq, row_pos, page_size, num_pages):
     """First row whose stream or pages (positions 0..row_pos) fall outside the block table or
     the arena; -1 when every row is valid. Used by CpuOps before paged_attention."""

@@ -40,8 +40,8 @@ def _check_shape(array: np.ndarray, name: str, shape: tuple[int, ...]) -> None:
 
 
 def _check_range(values: np.ndarray, name: str, low: int, high: int) -> None:
-    """Every value in [low, high)."""
-    if values.size and (int(values.min()) < low or int(values.max()) >= high):
+    """Every value of the 1-D index array in [low, high)."""
+    if kernels.any_out_of_range(values, low, high):
         raise ValueError(f"{name}: values must lie in [{low}, {high}), got "
                          f"[{int(values.min())}, {int(values.max())}]")
 
