@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
-from tf_async.models.weights import AffineWeight, quantize_affine
+from tf_async.models.weights import AffineWeight, Linear, quantize_affine
 
 SHAPES = [  # (out_features, in_features, bits): SmolLM2-135M projections and the 8-bit lm_head
     (576, 1536, 4),
@@ -59,8 +60,8 @@ def bench_affine(out_f: int, in_f: int, bits: int, reps: int, rng: np.random.Gen
         x = rng.standard_normal((rows, in_f)).astype(np.float32)
         out = np.empty((rows, out_f), np.float32)
         n = max(1, reps * 576 * 576 // (out_f * in_f))
-        t = seconds_per_call(lambda x=x, out=out: kernels.matmul_affine(
-            x, w.codes, w.scales, w.biases, bits, GROUP_SIZE, out), n)
+        t = seconds_per_call(partial(kernels.matmul_affine, x, w.codes, w.scales, w.biases,
+                                     bits, GROUP_SIZE, out), n)
         report(f"affine{bits} {out_f}x{in_f}", rows, t, weight_bytes(w), 2 * rows * in_f * out_f)
 
 
@@ -70,7 +71,7 @@ def bench_dense(out_f: int, in_f: int, reps: int, rng: np.random.Generator) -> N
         x = rng.standard_normal((rows, in_f)).astype(np.float32)
         out = np.empty((rows, out_f), np.float32)
         n = max(1, reps * 576 * 576 // (out_f * in_f))
-        t = seconds_per_call(lambda x=x, out=out: kernels.matmul_dense(x, w, out), n)
+        t = seconds_per_call(partial(kernels.matmul_dense, x, w, out), n)
         report(f"dense {out_f}x{in_f}", rows, t, w.nbytes, 2 * rows * in_f * out_f)
 
 
@@ -83,9 +84,9 @@ def bench_attention(reps: int, rng: np.random.Generator) -> None:
     out = np.empty_like(q)
     for num_keys in (100, 1000, 4000):
         pos = np.array([num_keys - 1], np.int64)
-        t = seconds_per_call(lambda pos=pos: kernels.paged_attention(
-            q, kv_layer, 1.0, 1.0, block_table, np.zeros(1, np.int32), pos, page_size, 0.125,
-            out), max(1, reps // 4))
+        t = seconds_per_call(partial(kernels.paged_attention, q, kv_layer, 1.0, 1.0, block_table,
+                                     np.zeros(1, np.int32), pos, page_size, 0.125, out),
+                             max(1, reps // 4))
         kv_bytes = 2 * num_keys * num_kv_heads * head_dim * 4
         report(f"attention f32 ctx {num_keys}", 1, t, kv_bytes,
                4 * num_keys * num_heads * head_dim)
@@ -97,7 +98,7 @@ def bench_decode_step(rng: np.random.Generator, context: int = 100) -> None:
     ops = CpuOps()
     hidden, inter, heads, kv_heads, hd, page_size = 576, 1536, 9, 3, 64, 16
 
-    def q4(out_f: int, in_f: int) -> AffineWeight:
+    def q4(out_f: int, in_f: int) -> Linear:
         w = (rng.standard_normal((out_f, in_f)) * 0.05).astype(np.float32)
         return ops.upload_linear(quantize_affine(w, 4, GROUP_SIZE))
 

@@ -233,7 +233,9 @@ def bench_model(name, cfg, weights, ops, args, bandwidth: float) -> list[Row]:  
     for parallel in args.parallel:
         graph = GraphDecoder(decoder)
         rows.append(bench_parallel(name, cfg, decoder, graph, ops, args, parallel, bandwidth))
-        print(f"  {name} P={parallel}: {rows[-1].decode_tps:.1f} tok/s", flush=True)
+        r = rows[-1]
+        print(f"  {name} P={parallel}: eager {r.eager_ms:.2f} ms, graph {r.graph_ms:.2f} ms, "
+              f"gpu {r.gpu_ms:.2f} ms a round, {r.decode_tps:.1f} tok/s", flush=True)
     return rows
 
 
@@ -254,6 +256,7 @@ def torch_decode_tps(cp, cfg, weights, args) -> tuple[float, str]:  # noqa: ANN0
     cp.cuda.Device().synchronize()
     load_torch_weights(torch, model, weights)
     model.generation_config.eos_token_id = None
+    model.generation_config.disable_compile = True  # eager PyTorch: no minutes of torch.compile
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device="cuda")
     for cache in ("static", "dynamic"):
         try:

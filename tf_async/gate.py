@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .api import Engine
@@ -38,19 +38,21 @@ class GateRow:
         return self.passed == self.total
 
 
-def sampling(mode: str, index: int, max_tokens: int) -> dict[str, Any]:
+def sampling(mode: str, index: int, max_tokens: int, temperature: float = 0.9) -> dict[str, Any]:
     if mode == "greedy":
         return {"max_tokens": max_tokens, "temperature": 0.0}
-    return {"max_tokens": max_tokens, "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1000 + index}
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": 0.95, "top_k": 40,
+            "seed": 1000 + index}
 
 
 async def generate(engine: Engine, prompts: list[str], mode: str, max_tokens: int,
-                   *, concurrent: bool, seeds: list[int] | None = None) -> list[list[int]]:
+                   *, concurrent: bool, seeds: list[int] | None = None,
+                   temperature: float = 0.9) -> list[list[int]]:
     """Token ids for each prompt, run all at once or one at a time (seed i+1000 unless given)."""
     seeds = seeds if seeds is not None else list(range(len(prompts)))
 
     async def one(i: int, prompt: str) -> list[int]:
-        done = await engine.complete(prompt, **sampling(mode, seeds[i], max_tokens))
+        done = await engine.complete(prompt, **sampling(mode, seeds[i], max_tokens, temperature))
         return done.token_ids
 
     if concurrent:
@@ -64,44 +66,68 @@ def _count(a: list[list[int]], b: list[list[int]]) -> int:
 
 async def run_gates(model: str | Checkpoint | None, *, device: str = "auto", kv_dtype: str = "f32",
                     max_tokens: int = 16, prompts: tuple[str, ...] = PROMPTS, ctx: int = 512,
-                    drafter: str | None = None, draft_tokens: int = 4) -> tuple[list[GateRow], dict]:
+                    drafter: str | None = None, draft_tokens: int = 4,
+                    drafters: tuple[str, ...] = (), temperature: float = 0.9,
+                    ) -> tuple[list[GateRow], dict]:
+    """Every gate on `model`; drafted == plain once per drafter (`drafter` and `drafters`);
+    seeded rows sample at `temperature`. Returns (rows, engine stats at the end of each run)."""
     from .engine.build import load_model
 
     ckpt = await asyncio.to_thread(load_model, model)
-    base = dict(device=device, ctx=ctx, kv_dtype=kv_dtype, page_size=16)
+    run = GateRun(ckpt, dict(device=device, ctx=ctx, kv_dtype=kv_dtype, page_size=16),
+                  list(prompts), max_tokens, temperature)
+    specs = ([drafter] if drafter else []) + list(drafters)
     rows: list[GateRow] = []
-    plist = list(prompts)
-    idle: dict = {}
     for mode in ("greedy", "seeded"):
-        async with Engine(ckpt, parallel=1, step_tokens=512, **base) as solo_engine:
-            solo = await generate(solo_engine, plist, mode, max_tokens, concurrent=False)
-        for n in (1, 2, 4, 8):
-            picks = [i % len(plist) for i in range(n)]  # fewer prompts than streams: repeat them
-            async with Engine(ckpt, parallel=n, step_tokens=64, **base) as eng:
-                got = await generate(eng, [plist[i] for i in picks], mode, max_tokens,
-                                     concurrent=True, seeds=picks)
-                idle[f"concurrent{n}-{mode}"] = eng.stats()
-            rows.append(GateRow(f"concurrent == solo ({n})", mode, _count(got, [solo[i] for i in picks]), n))
-        async with Engine(ckpt, parallel=4, paging=False, step_tokens=64, **base) as eng:
-            got = await generate(eng, plist, mode, max_tokens, concurrent=True)
-            idle[f"contiguous-{mode}"] = eng.stats()
-        rows.append(GateRow("paging == contiguous", mode, _count(got, solo), len(plist)))
-        for step in (1, 3, 7):
-            async with Engine(ckpt, parallel=4, step_tokens=step, **base) as eng:
-                got = await generate(eng, plist, mode, max_tokens, concurrent=True)
-                idle[f"stepped{step}-{mode}"] = eng.stats()
-            rows.append(GateRow(f"stepped == whole (step {step})", mode, _count(got, solo), len(plist)))
-        if drafter:
-            async with Engine(ckpt, parallel=4, step_tokens=64, drafter=drafter,
-                              draft_tokens=draft_tokens, **base) as eng:
-                got = await generate(eng, plist, mode, max_tokens, concurrent=True)
-                idle[f"drafted-{mode}"] = eng.stats()
-            rows.append(GateRow(f"drafted == plain ({drafter}, k={draft_tokens})", mode,
-                                _count(got, solo), len(plist)))
+        rows += await run.mode_rows(mode, specs, draft_tokens)
     empty = sum(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0
-                and s.get("draft_areas_in_use", 0) == 0 for s in idle.values())
-    rows.append(GateRow("idle is empty", "all", empty, len(idle)))
-    return rows, idle
+                and s.get("draft_areas_in_use", 0) == 0 for s in run.idle.values())
+    rows.append(GateRow("idle is empty", "all", empty, len(run.idle)))
+    return rows, run.idle
+
+
+@dataclass(slots=True)
+class GateRun:
+    """The engines of one `run_gates` call; `idle` keeps each engine's stats at its end."""
+
+    ckpt: Checkpoint
+    base: dict[str, Any]
+    prompts: list[str]
+    max_tokens: int
+    temperature: float
+    idle: dict[str, Any] = field(default_factory=dict)
+
+    async def outputs(self, key: str, mode: str, engine_options: dict[str, Any],
+                      picks: list[int] | None = None) -> list[list[int]]:
+        """All prompts (or `picks` of them, seeded by index) at once on one engine."""
+        prompts = self.prompts if picks is None else [self.prompts[i] for i in picks]
+        async with Engine(self.ckpt, **self.base, **engine_options) as eng:
+            got = await generate(eng, prompts, mode, self.max_tokens, concurrent=True,
+                                 seeds=picks, temperature=self.temperature)
+            self.idle[f"{key}-{mode}"] = eng.stats()
+        return got
+
+    async def mode_rows(self, mode: str, drafters: list[str], draft_tokens: int) -> list[GateRow]:
+        async with Engine(self.ckpt, parallel=1, step_tokens=512, **self.base) as solo_engine:
+            solo = await generate(solo_engine, self.prompts, mode, self.max_tokens,
+                                  concurrent=False, temperature=self.temperature)
+        rows, total = [], len(self.prompts)
+        for n in (1, 2, 4, 8):
+            picks = [i % total for i in range(n)]  # fewer prompts than streams: repeat them
+            got = await self.outputs(f"concurrent{n}", mode, dict(parallel=n, step_tokens=64), picks)
+            rows.append(GateRow(f"concurrent == solo ({n})", mode,
+                                _count(got, [solo[i] for i in picks]), n))
+        got = await self.outputs("contiguous", mode, dict(parallel=4, paging=False, step_tokens=64))
+        rows.append(GateRow("paging == contiguous", mode, _count(got, solo), total))
+        for step in (1, 3, 7):
+            got = await self.outputs(f"stepped{step}", mode, dict(parallel=4, step_tokens=step))
+            rows.append(GateRow(f"stepped == whole (step {step})", mode, _count(got, solo), total))
+        for spec in drafters:
+            got = await self.outputs(f"drafted-{spec}", mode, dict(
+                parallel=4, step_tokens=64, drafter=spec, draft_tokens=draft_tokens))
+            rows.append(GateRow(f"drafted == plain ({spec}, k={draft_tokens})", mode,
+                                _count(got, solo), total))
+        return rows
 
 
 def format_table(rows: list[GateRow]) -> str:

@@ -202,7 +202,8 @@ class CudaOps:
             raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features {w.in_features}")
         rows = x.reshape(-1, w.in_features)
         out = self.xp.empty((rows.shape[0], w.out_features), self.xp.float32)
-        self._matmul(rows, w, out, None)
+        if rows.shape[0]:  # a round may want no logits (a prompt step): launch nothing
+            self._matmul(rows, w, out, None)
         if bias is not None:
             check_array(bias, "linear bias", np.float32, 1, xp=self.xp)
             check_shape(bias, "linear bias", (w.out_features,))
@@ -252,6 +253,8 @@ class CudaOps:
             raise BadInputError(f"embed: unknown weight kind {type(w).__name__}")
         check_affine(w, self.xp)
         out = self.xp.empty((ids.shape[0], w.in_features), self.xp.float32)
+        if not ids.shape[0]:
+            return out
         parts = [self._dev(a) for a in (w.codes, w.scales, w.biases)]
         self._launch.embed_affine(*parts, w.bits, w.group_size, self._dev(ids), self._dev(out), self._stream())
         return out
@@ -264,6 +267,8 @@ class CudaOps:
         if x.ndim == 0 or x.shape[-1] != w.shape[0]:
             raise BadInputError(f"rms_norm: x shape {x.shape} does not end in weight dim {w.shape[0]}")
         out = self.xp.empty_like(x)
+        if not x.size:
+            return out
         rows = x.reshape(-1, w.shape[0])
         self._launch.rms_norm(self._dev(rows), self._dev(w), np.float32(eps),
                               self._dev(out.reshape(rows.shape)), self._stream())
@@ -277,6 +282,8 @@ class CudaOps:
         check_shape(positions, "rope positions", (x.shape[0],))
         if 2 * inv_freq.shape[0] > x.shape[2]:
             raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {x.shape[2]}")
+        if not x.size:
+            return
         self._launch.rope(self._dev(x), self._dev(positions), self._dev(inv_freq), float(mscale), self._stream())
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
@@ -285,6 +292,8 @@ class CudaOps:
         check_array(up, "silu_mul up", np.float32, xp=self.xp)
         check_shape(up, "silu_mul up", gate.shape)
         out = self.xp.empty_like(gate)
+        if not gate.size:
+            return out
         width = gate.shape[-1] if gate.ndim else 1
         parts = [self._dev(a.reshape(-1, width)) for a in (gate, up, out)]
         self._launch.silu_mul(*parts, self._stream())
@@ -311,6 +320,8 @@ class CudaOps:
         check_shape(v, "kv_write v", k.shape)
         self._range(slots, "kv_write slots", 0, kv.shape[2])
         k_scale, v_scale = self._scales(kv_scales, kv, layer)
+        if not slots.shape[0]:
+            return
         self._launch.kv_write(self._dev(k), self._dev(v), self._dev(kv[layer]), self._dev(slots),
                               k_scale, v_scale, self._stream())
 

@@ -12,6 +12,7 @@ from ..backend.select import make_ops
 from ..errors import BadInputError
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
+from ..models.qwen35 import make_decoder
 from .core import EngineCore
 from .lanes import Lanes
 from .pages import Runs, pages_for_rows
@@ -24,7 +25,7 @@ from .sequence import TokenEvent
 class EngineParts:
     checkpoint: Checkpoint
     ops: Ops
-    decoder: Decoder
+    decoder: Decoder  # or a HybridDecoder (qwen3_5 / qwen3_5_moe) with its lanes' states
     arena: Arena
     lanes: Lanes
     scheduler: Scheduler
@@ -67,16 +68,17 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     validate_options(options)
     ckpt = load_model(options["model"])
     ops = make_ops(options["device"])
-    decoder = Decoder(ckpt, ops)
-    per_lane = pages_for_rows(options["ctx"], options["page_size"])
     num_lanes = options["parallel"]
+    decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
+    per_lane = pages_for_rows(options["ctx"], options["page_size"])
     num_pages = options["kv_pages"] or per_lane * num_lanes
     runs = Runs(paging=options["paging"], num_lanes=num_lanes, pages_per_lane=per_lane,
                 page_size=options["page_size"], num_pages=num_pages)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options["page_size"],
                   kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
-    scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"])
+    scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
+                          recurrent=getattr(decoder, "states", None) is not None)
     runner = Runner(decoder, arena)
     core = EngineCore(scheduler, runner, publish)
     if options.get("drafter"):

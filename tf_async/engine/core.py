@@ -118,6 +118,7 @@ class EngineCore:
             "queued": len(sched.waiting),
             "running": len(sched.running),
             "rounds": self.num_rounds,
+            **self.runner.memory_stats(),
             **sched.drafter_stats(),
         }
         by_lane = {s.lane: s for s in sched.running if s.lane is not None}

@@ -4,7 +4,8 @@ The scheduler drives a drafter through four calls, all on the engine thread:
 
     open(seq)            after the target's first prompt step, before its rows are taken
     propose(seq, limit)  while building a round: up to min(limit, k) draft token ids
-    absorb(seq, rows, num_new_tokens, hidden)   after verification (sched._accept)
+    absorb(seq, rows, num_new_tokens, hidden)   after every step of the stream: after
+                         verification (sched._accept), and with 0 new tokens mid-prompt
     release(lane)        from the lane's one release path (Lanes release hook)
 
 Verification lives in sched._accept: a draft is kept while it equals what the target itself
@@ -50,6 +51,13 @@ class Drafter(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+def count_accepted(drafter: Drafter, rows: SeqRows, num_new_tokens: int) -> None:
+    """Drafted and accepted counts of a round's rows (mid-prompt steps sample nothing)."""
+    if num_new_tokens > 0:
+        drafter.num_drafted += len(rows.draft_ids)
+        drafter.num_accepted += num_new_tokens - 1
+
+
 def zero_stats() -> dict[str, int]:
     return {"drafted_tokens": 0, "accepted_tokens": 0, "draft_areas_in_use": 0,
             "draft_areas_bytes": 0, "draft_area_bytes_in_use": 0, "draft_contexts_owned": 0}
@@ -67,6 +75,7 @@ class DraftContext:
     num_valid: int = 0  # ring rows [0, num_valid) hold committed tokens
     base_pos: int = 0  # position of the first draft fed in the last propose
     num_fed: int = 0  # drafts whose ring rows were written in the last propose
+    has_state: bool = False  # views.state holds the hidden of position num_valid (MTP)
 
     @property
     def borrowed(self) -> bool:
@@ -75,6 +84,7 @@ class DraftContext:
     def reset(self, lane: int, request_id: int) -> None:
         self.lane, self.request_id = lane, request_id
         self.num_valid = self.base_pos = self.num_fed = 0
+        self.has_state = False
 
 
 class DraftContexts:
@@ -170,8 +180,7 @@ class NgramDrafter:
         return tuple(t for t in _until_stop(drafts, seq.stop_ids))
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
-        self.num_drafted += len(rows.draft_ids)
-        self.num_accepted += num_new_tokens - 1
+        count_accepted(self, rows, num_new_tokens)
 
     def stats(self) -> dict[str, int]:
         return {**zero_stats(), "drafted_tokens": self.num_drafted,

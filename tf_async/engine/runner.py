@@ -1,17 +1,22 @@
 """Runner: turns a RoundPlan into one forward call over the arena and returns logits.
 
 It owns the arena (the KV memory of the engine, allocated once) and is the only place that
-touches arrays on the step path.
+touches arrays on the step path. Hybrid models also keep each lane's recurrent state (the
+decoder's RecurrentStates, one slot per lane): the runner zeroes a lane's slot where it
+zeroes the run's new pages, saves the slot of every lane that verifies drafts before the
+forward, and puts it back when the scheduler rolls the lane back (plan.lanes_to_restore).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..backend.base import Ops
 from ..models.decoder import Decoder, ForwardBatch
+from ..models.qwen35 import RecurrentStates
 from .sequence import RoundPlan, RoundResult, SeqRows
 
 KV_DTYPES = ("f32", "bf16", "fp8")
@@ -49,6 +54,9 @@ class Runner:
         self.decoder = decoder
         self.ops = decoder.ops
         self.arena = arena
+        self.states: RecurrentStates | None = getattr(decoder, "states", None)
+        self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
+        self._state_touched = False  # the decoder's forward ran (recurrent state may be advanced)
         # Tests set this to raise inside a step for chosen requests (failure injection).
         self.fault_injector: Callable[[SeqRows], None] | None = None
 
@@ -57,19 +65,55 @@ class Runner:
             ids = self.ops.asarray(np.asarray(page_ids, dtype=np.int32))
             self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
 
+    def prepare_lanes(self, plan: RoundPlan) -> None:
+        """Rolled-back lanes get their saved state; newly opened lanes start from zero state
+        (after the restores: a lane released and opened again is zeroed). Engine stream."""
+        if self.states is None:
+            return
+        if plan.lanes_to_restore:
+            self.states.restore(plan.lanes_to_restore)
+        for lane in plan.lanes_to_zero:
+            self.states.zero(lane)
+
+    def save_states(self, all_rows: tuple[SeqRows, ...]) -> tuple[int, ...]:
+        """Save the state of every lane that verifies drafts (a rejected draft rolls it back)."""
+        if self.states is None:
+            return ()
+        lanes = tuple(sorted({r.lane for r in all_rows if r.draft_ids}))
+        if lanes:
+            self.states.snapshot(lanes)
+        return lanes
+
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Run the round; if it fails, run each stream alone so one bad request fails alone."""
+        self.prepare_lanes(plan)
         self.zero_pages(plan.pages_to_zero)
+        saved = self.save_states(plan.rows)
+        self._state_touched = False
         try:
             return self._forward(plan.rows, plan.block_tables)
         except Exception as exc:  # noqa: BLE001 - isolate the failing request below
             if len(plan.rows) == 1:
                 return RoundResult({}, {}, {plan.rows[0].request_id: _describe(exc)})
-        return self._isolate(plan)
+        return self._isolate(plan, saved)
 
-    def _isolate(self, plan: RoundPlan) -> RoundResult:
-        logits, hidden, failed = {}, {}, {}
+    def _lost_states(self, plan: RoundPlan, saved: tuple[int, ...]) -> dict[int, str]:
+        """After a hybrid forward failed midway: lanes whose state was saved go back to it; the
+        others' state is lost, so those streams fail too (never a silently wrong stream)."""
+        if self.states is None or not self._state_touched:
+            return {}
+        if saved:
+            self.states.restore(saved)
+        return {r.request_id: "step failed: the batch failed and the stream's recurrent state "
+                "was lost with it" for r in plan.rows if r.lane not in saved}
+
+    def _isolate(self, plan: RoundPlan, saved: tuple[int, ...] = ()) -> RoundResult:
+        logits: dict[int, np.ndarray] = {}
+        hidden: dict[int, Any] = {}
+        failed = self._lost_states(plan, saved)
         for rows in plan.rows:
+            if rows.request_id in failed:
+                continue
             try:
                 one = self._forward((rows,), plan.block_tables)
             except Exception as exc:  # noqa: BLE001 - a failed step fails that request only
@@ -84,17 +128,41 @@ class Runner:
             for rows in all_rows:
                 self.fault_injector(rows)
         batch = self._batch(all_rows, tables)
+        self._state_touched = True
+        if self.all_hidden:
+            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
+                                                  all_hidden=True)  # type: ignore[call-arg]
+            return self._split(all_rows, self.ops.to_host(logits), hidden, every_row=True)
         logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
-        logits_h = self.ops.to_host(logits)
-        hidden_h = self.ops.to_host(hidden)
-        out_l, out_h, start = {}, {}, 0
+        return self._split(all_rows, self.ops.to_host(logits), self.ops.to_host(hidden))
+
+    @staticmethod
+    def _split(all_rows: tuple[SeqRows, ...], logits: np.ndarray, hidden: Any, *,
+               every_row: bool = False) -> RoundResult:
+        """Per request: its logit rows (host), and its hidden rows (logit rows on the host, or
+        every row on the device when `every_row`)."""
+        out_l: dict[int, np.ndarray] = {}
+        out_h: dict[int, Any] = {}
+        start = row = 0
         for rows in all_rows:
             stop = start + rows.num_logit_rows
             if rows.num_logit_rows:
-                out_l[rows.request_id] = logits_h[start:stop]
-                out_h[rows.request_id] = hidden_h[start:stop]
-            start = stop
+                out_l[rows.request_id] = logits[start:stop]
+            if every_row:
+                out_h[rows.request_id] = hidden[row: row + len(rows.token_ids)]
+            elif rows.num_logit_rows:
+                out_h[rows.request_id] = hidden[start:stop]
+            start, row = stop, row + len(rows.token_ids)
         return RoundResult(out_l, out_h, {})
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of the arena and of each lane's recurrent state (live + saved copy)."""
+        states = self.states
+        return {"kv_bytes": int(self.arena.kv.nbytes),
+                "arena_bytes": self.arena.num_bytes + (0 if states is None else states.num_bytes),
+                "recurrent_state_bytes_per_lane": 0 if states is None else states.bytes_per_lane,
+                "recurrent_snapshot_bytes_per_lane":
+                    0 if states is None else states.snapshot_bytes_per_lane}
 
     def _batch(self, all_rows: tuple[SeqRows, ...], tables: dict[int, tuple[int, ...]]) -> ForwardBatch:
         page_size = self.arena.page_size
@@ -117,7 +185,8 @@ class Runner:
         slots = block_table[seq, pos // page_size].astype(np.int64) * page_size + pos % page_size
         put = self.ops.asarray
         return ForwardBatch(put(np.asarray(tokens, np.int64)), put(pos), put(slots), put(seq),
-                            put(block_table), put(np.asarray(logit_rows, np.int64)), page_size)
+                            put(block_table), put(np.asarray(logit_rows, np.int64)), page_size,
+                            put(np.asarray(lanes, np.int32)))  # block-table row -> lane
 
 
 def _describe(exc: Exception) -> str:

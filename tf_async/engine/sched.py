@@ -3,6 +3,10 @@
 It holds integers and lists only; arrays live in the runner. Out of pages mid-stream, the
 most recently admitted other stream is preempted (lane released, KV recomputed later from
 its prompt + output so far), so the engine never deadlocks and never corrupts a run.
+
+Recurrent models (hybrids): a lane's state is zeroed when it opens (plan.lanes_to_zero);
+a verify round that rejects a draft rolls the lane back (plan.lanes_to_restore, the state
+saved before the round) and the accepted rows are fed again with the next decode rows.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
-    def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int):
+    def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int, recurrent: bool = False):
         self.lanes = lanes
+        self.recurrent = recurrent  # the model keeps per-lane recurrent state (hybrids)
         self.runs = lanes.runs
         self.step_tokens = step_tokens
         self.ctx = ctx
@@ -31,6 +36,8 @@ class Scheduler:
         self._num_admissions = 0
         self.num_preemptions = 0
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafting.py)
+        self._lanes_to_zero: list[int] = []  # opened since the last plan
+        self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -58,7 +65,21 @@ class Scheduler:
     def schedule(self) -> RoundPlan:
         self.round_index += 1
         pages_to_zero: list[int] = []
-        self._admit(pages_to_zero)
+        while True:
+            self._admit(pages_to_zero)
+            rows = self._round_rows(pages_to_zero)
+            if rows or not self.running:
+                break
+            self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
+        tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
+        plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
+                         tuple(sorted(self._lanes_to_restore)))
+        self._lanes_to_zero.clear()
+        self._lanes_to_restore.clear()
+        return plan
+
+    def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
+        """Decode rows of running streams first, then prompt cuts up to the token budget."""
         rows: list[SeqRows] = []
         budget = self.step_tokens
         for seq in [s for s in self.running if not s.is_prefilling]:
@@ -75,11 +96,7 @@ class Scheduler:
             if cut is not None:
                 rows.append(cut)
                 budget -= len(cut.token_ids)
-        if not rows and self.running:
-            self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
-            return self.schedule()
-        tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
-        return RoundPlan(tuple(rows), tables, tuple(pages_to_zero))
+        return rows
 
     def _admit(self, pages_to_zero: list[int]) -> None:
         while self.waiting:
@@ -93,6 +110,7 @@ class Scheduler:
                 return
             seq.lane, new_pages = opened
             pages_to_zero.extend(new_pages)
+            self._lanes_to_zero.append(seq.lane)  # a stream starts from zero recurrent state
             self._num_admissions += 1
             seq.admitted_round = self._num_admissions
             self.waiting.popleft()
@@ -102,20 +120,21 @@ class Scheduler:
         room = max(0, self._room_for_drafts(seq))
         drafts = self.drafter.propose(seq, room) if self.drafter is not None else ()
         drafts = tuple(drafts[:room])
-        new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1 + len(drafts))
+        new_pages = self.runs.reserve(seq.lane, seq.num_tokens + len(drafts))
         if new_pages is None and drafts:  # out of pages: drop the drafts first
             drafts = ()
-            new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1)
+            new_pages = self.runs.reserve(seq.lane, seq.num_tokens)
         while new_pages is None:
             victim = max(self.running, key=lambda s: s.admitted_round)  # latest admitted
             self._preempt(victim)
             if victim is seq:
                 return None
-            new_pages = self.runs.reserve(seq.lane, seq.num_computed + 1)
-        num_rows = 1 + len(drafts)
+            new_pages = self.runs.reserve(seq.lane, seq.num_tokens)
         pages_to_zero.extend(new_pages)
-        tokens = (seq.last_token(), *drafts)
-        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, num_rows, tuple(drafts))
+        # the last token, after any rows to redo (rollback), then the drafts
+        tokens = (*seq.token_slice(seq.num_computed, seq.num_tokens), *drafts)
+        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, 1 + len(drafts),
+                       tuple(drafts))
 
     def _room_for_drafts(self, seq: Sequence) -> int:
         left = seq.params.max_tokens - len(seq.output_ids) - 1
@@ -139,7 +158,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
         self._release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_redo = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(seq)
@@ -147,6 +166,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.lane is not None:
+            self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             self.lanes.release(seq.lane)
             seq.lane = None
 
@@ -169,6 +189,8 @@ class Scheduler:
             seq.num_computed += len(rows.token_ids)
             if rows.num_logit_rows:
                 events.append(self._accept(seq, rows, result))
+            elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
+                self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
         return events
 
     def _open_drafter(self, seq: Sequence) -> str | None:
@@ -205,12 +227,23 @@ class Scheduler:
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
         # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
         seq.num_computed = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + len(new_ids)
+        seq.num_redo = 0
+        if self.recurrent and len(new_ids) - 1 < len(rows.draft_ids) and not finish:
+            self._roll_back(seq, rows)
         if self.drafter is not None:
             self.drafter.absorb(seq, rows, len(new_ids), result.hidden.get(seq.request_id))
         lp = tuple(logprobs) if seq.params.logprobs is not None else None
         if finish:
             return self.finish(seq, finish, new_ids=new_ids, logprobs=lp)
         return TokenEvent(seq.request_id, tuple(new_ids), lp)
+
+    def _roll_back(self, seq: Sequence, rows: SeqRows) -> None:
+        """A draft was rejected: the lane's state goes back to before the round (the runner
+        saved it) and the accepted rows are fed again next round; the KV rows stay."""
+        assert seq.lane is not None
+        seq.num_redo = seq.num_computed - rows.start_pos
+        seq.num_computed = rows.start_pos
+        self._lanes_to_restore.add(seq.lane)
 
     def _sample(self, seq: Sequence, row_logits) -> int:
         x = apply_penalties(row_logits, seq.params, seq.prompt_ids, seq.output_ids)

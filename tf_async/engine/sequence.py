@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -11,7 +12,13 @@ from ..api_types import SamplingParams
 
 @dataclass(slots=True)
 class Sequence:
-    """Owned by the engine thread. KV rows [0, num_computed) of `tokens` are in the run."""
+    """Owned by the engine thread. KV rows [0, num_computed) of `tokens` are in the run.
+
+    Hybrid models: after a rejected draft the lane's recurrent state is rolled back to
+    `num_computed` and the `num_redo` accepted rows are fed again with the next decode rows:
+
+        | computed | redo (in KV, not in the state) | last token | drafts |
+    """
 
     request_id: int
     prompt_ids: list[int]
@@ -27,6 +34,7 @@ class Sequence:
     num_preemptions: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    num_redo: int = 0  # rows after num_computed to re-feed after a recurrent-state rollback
 
     @property
     def num_tokens(self) -> int:
@@ -38,7 +46,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending > 1
+        return self.num_pending > 1 + self.num_redo
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n_prompt = len(self.prompt_ids)
@@ -69,6 +77,8 @@ class RoundPlan:
     rows: tuple[SeqRows, ...]
     block_tables: dict[int, tuple[int, ...]]  # lane -> its run's page ids
     pages_to_zero: tuple[int, ...]
+    lanes_to_zero: tuple[int, ...] = ()  # lanes opened this round: recurrent state zeroed
+    lanes_to_restore: tuple[int, ...] = ()  # lanes rolled back after a rejected draft
 
     @property
     def num_rows(self) -> int:
@@ -78,7 +88,9 @@ class RoundPlan:
 @dataclass(frozen=True, slots=True)
 class RoundResult:
     logits: dict[int, np.ndarray]  # request id -> [num_logit_rows, V] float32 (host)
-    hidden: dict[int, np.ndarray]  # request id -> [num_logit_rows, H] (drafters use it)
+    # request id -> final-normed hidden [num_logit_rows, H] on the host, or of every row of
+    # the request on the device when the drafter asks for all rows (MTP)
+    hidden: dict[int, Any]
     failed: dict[int, str]  # request id -> error message
 
 

@@ -57,7 +57,8 @@ class GraphDecoder:
     def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         rows = int(batch.token_ids.shape[0])
-        if not 0 < rows <= self.max_rows or int(batch.logit_rows.shape[0]) != rows:
+        decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
+        if not decode_shaped or batch.seq_lanes is not None:  # recurrent state: not captured
             return self.decoder.forward(batch, kv, kv_scales)
         self._check_indices(batch, kv)
         key = (rows, int(batch.block_table.shape[0]), batch.page_size, id(kv), id(kv_scales))

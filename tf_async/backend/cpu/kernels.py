@@ -3,13 +3,17 @@
 Every kernel is batch-invariant: each output row (or (row, head)) is computed by the same
 sequential code with the same reduction order, whatever the other rows of the call are.
 Parallel kernels split work over output features or (row, head) pairs, never inside a
-reduction. Reductions live in small `fastmath` helpers: LLVM vectorises them with a fixed
-lane/unroll order that depends only on the length, so the result is deterministic.
+reduction, and small calls run on the calling thread with the same per-row code.
+The quantized matmul is a hand-written LLVM vector loop (see "intrinsics") whose order is
+fixed by construction; the other reductions live in small `fastmath` helpers that LLVM
+vectorises with a lane/unroll order that depends only on the length.
 
 Kernels trust their arguments (no bounds checks inside); `CpuOps` validates them first.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -19,7 +23,7 @@ from numba.extending import intrinsic, overload
 
 _F32 = np.float32
 # IEEE division (no ZeroDivisionError branch, which would stop loops from vectorising)
-_JIT = {"nogil": True, "cache": True, "error_model": "numpy"}
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"}
 _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in L1)
 _MAX_CHUNKS = 32
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread

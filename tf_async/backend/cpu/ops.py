@@ -105,8 +105,10 @@ class CpuOps:
 
     def upload_linear(self, w: Linear) -> Linear:
         """Weights already live in host memory; they are checked once here so that `linear`
-        can skip the checks on the step path."""
-        _check_weight(w)
+        can skip the checks on the step path. Stacked experts are checked expert by expert."""
+        array = w.codes if isinstance(w, AffineWeight) else w.w
+        for expert in (w.expert(e) for e in range(array.shape[0])) if array.ndim == 3 else (w,):
+            _check_weight(expert)
         self._checked[id(w)] = w
         return w
 

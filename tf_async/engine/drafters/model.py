@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import BadInputError
 from ...models.decoder import Decoder, ForwardBatch
 from ..area import AreaLayout
-from ..drafting import DraftContext, DraftContexts, num_areas_option, zero_stats
+from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option, zero_stats
 from ..sampling import apply_penalties, sample_token
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class ModelDrafter:
         drafts: list[int] = []
         outputs = list(seq.output_ids)
         while True:
-            token = _choose(seq, logits, outputs, num_tokens + len(drafts))
+            token = choose_like_target(seq, logits, outputs, num_tokens + len(drafts))
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
             drafts.append(token)
@@ -105,10 +105,10 @@ class ModelDrafter:
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         """Accepted drafts whose ring rows were written stay valid; the rest is redone."""
-        self.num_drafted += len(rows.draft_ids)
-        self.num_accepted += num_new_tokens - 1
+        count_accepted(self, rows, num_new_tokens)
         ctx = self.contexts.get(seq)
-        if ctx is not None and rows.draft_ids and ctx.base_pos == rows.start_pos + 1:
+        first_draft_pos = rows.start_pos + len(rows.token_ids) - len(rows.draft_ids)
+        if ctx is not None and rows.draft_ids and ctx.base_pos == first_draft_pos:
             ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
 
     def stats(self) -> dict[str, int]:
@@ -119,7 +119,7 @@ class ModelDrafter:
                 "draft_contexts_owned": self.contexts.num_owned}
 
 
-def _choose(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
+def choose_like_target(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
     """The token the target itself would pick at `pos` if its logits were these."""
     x = apply_penalties(logits, seq.params, seq.prompt_ids, outputs)
     return sample_token(x, seq.params, seq.seed, pos)
@@ -133,11 +133,10 @@ def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt
         raise BadInputError("draft_ring must be an integer >= 1", param="draft_ring")
     num_areas = num_areas_option(options, num_lanes)
     if kind == "mtp":
-        from .mtp import require_mtp_head
+        from .mtp import make_mtp_drafter
 
-        require_mtp_head(ckpt)
-        raise BadInputError("--drafter mtp: the MTP forward arrives with the Qwen3.5 issue",
-                            param="drafter")
+        return make_mtp_drafter(options, ckpt, runner, capacity, num_areas,  # type: ignore[return-value]
+                                make_contexts=make_contexts)
     assert path is not None
     draft, decoder, kv_scales = _load_draft(path, ckpt, runner, options["kv_dtype"])
     layout = AreaLayout.for_model(draft.config, capacity, options["kv_dtype"])
@@ -148,11 +147,13 @@ def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt
 def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202
     """The draft checkpoint, its decoder and KV scales (the target's own when it drafts itself)."""
     if _same_file(path, str(ckpt.path)):
+        refuse_recurrent_draft(ckpt)
         return ckpt, runner.decoder, runner.arena.kv_scales
     from ...models.loader import load_checkpoint
     from ..build import kv_scales_for
 
     draft = load_checkpoint(path)
+    refuse_recurrent_draft(draft)
     check_same_vocab(ckpt, draft)
     decoder = Decoder(draft, runner.ops)
     scales = kv_scales_for(decoder, draft, kv_dtype)
@@ -166,6 +167,16 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def refuse_recurrent_draft(draft: Checkpoint) -> None:
+    """A draft model's ring holds K/V rows only: a hybrid (recurrent state) cannot draft."""
+    from ...models.qwen35 import HybridWeights
+
+    if isinstance(draft.weights, HybridWeights):
+        raise BadInputError(f"draft model {draft.path}: {draft.config.arch} keeps recurrent "
+                            f"state that a drafter ring cannot hold; use --drafter mtp "
+                            f"(its own MTP layer) or ngram", param="drafter")
 
 
 def check_same_vocab(target: Checkpoint, draft: Checkpoint) -> None:

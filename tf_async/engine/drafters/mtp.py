@@ -1,25 +1,179 @@
-"""The MTP drafter's plug point (Qwen3.5 / Qwen3-Next, spec MODELS.md section 6).
+"""`mtp`: the checkpoint's own MTP layer drafts (Qwen3.5 / Qwen3.6, MODELS.md 6.3-6.6).
 
-Its area holds one attention layer's K/V ring (the MTP layer's own cache, same per-row size
-as one trunk layer) and the newest row's hidden state (the target's final-normed hidden that
-the next MTP step takes). The MTP forward itself comes with the Qwen3.5 issue: a checkpoint
-that carries it exposes `weights.mtp` (an object with `forward(token_ids, positions,
-hidden, ring, kv_scales) -> (logits, hidden)`); until then every model is refused clearly.
+MTP slot s pairs (token x_{s+1}, the target's final-normed hidden h_s); its K/V go to ring
+row s % capacity of the context's area, and its output predicts x_{s+2}. The area (borrowed
+from the lane's run) holds that ring (one attention layer) and the newest row's hidden:
+
+    ring: slots [0, num_valid) of committed tokens     state: h_{num_valid} (has_state)
+    pending slot num_valid = (the stream's last token, state): the first draft step
+
+After every step of the target (prompt steps and verify rounds) `absorb` feeds the slots of
+the committed rows from the target's hidden rows (the runner returns every row's hidden), so
+the ring never holds a rejected draft's slot. `propose` runs the pending slot, then one slot a
+draft (d_i, the previous step's normed output); drafts are chosen with the stream's own
+sampling at their positions, so a draft is accepted when it is what the target emits.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from ...backend.base import Array
 from ...errors import BadInputError
 from ..area import AreaLayout
+from ..drafting import DraftContext, DraftContexts, count_accepted, zero_stats
+from .model import MakeContexts, choose_like_target
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
+    from ...models.mtp import MtpHead
+    from ..runner import Runner
+    from ..sequence import SeqRows, Sequence
+
+log = logging.getLogger("tf_async.drafting")
 
 
+class MtpDrafter:
+    name = "mtp"
+
+    def __init__(self, head: MtpHead, kv_scales: Array, contexts: DraftContexts,
+                 draft_tokens: int):
+        self.head = head
+        self.ops = head.ops
+        self.kv_scales = kv_scales  # [1, 2] K/V scales of the ring (fp8), else ones
+        self.contexts = contexts
+        self.draft_tokens = draft_tokens
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def is_open(self, seq: Sequence) -> bool:
+        return self.contexts.get(seq) is not None
+
+    def open(self, seq: Sequence) -> None:
+        assert seq.lane is not None
+        self.contexts.open(seq.lane, seq.request_id)
+
+    def release(self, lane: int) -> None:
+        self.contexts.release(lane)
+
+    # ---- drafting -----------------------------------------------------------------------
+    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Up to `limit` drafts from the pending slot (last token, newest hidden)."""
+        ctx = self.contexts.get(seq)
+        limit = min(limit, self.draft_tokens)
+        if ctx is None or limit <= 0 or not ready(ctx, seq):
+            return ()
+        try:
+            return self._draft(ctx, seq, limit)
+        except Exception:  # noqa: BLE001 - drafts only change speed; plain decode goes on
+            log.exception("MTP drafting failed for request %d; decoding without drafts",
+                          seq.request_id)
+            ctx.num_valid = -1
+            return ()
+
+    def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        assert ctx.views is not None
+        num_tokens = seq.num_tokens
+        token, hidden = seq.last_token(), ctx.views.state[None]
+        outputs, drafts, slot = list(seq.output_ids), [], ctx.num_valid
+        for step in range(limit):
+            logits, hidden = self._step(ctx, token, slot + step, hidden)
+            if step == 0:  # the pending slot holds committed values: it stays in the ring
+                ctx.num_valid, ctx.has_state = ctx.num_valid + 1, False
+            token = choose_like_target(seq, logits, outputs, num_tokens + step)
+            if token in seq.stop_ids:
+                break  # the target emits stop tokens itself
+            drafts.append(token)
+            outputs.append(token)
+        return tuple(drafts)
+
+    def _step(self, ctx: DraftContext, token: int, pos: int, hidden: Array
+              ) -> tuple[np.ndarray, Array]:
+        """One MTP slot at `pos`; (logits [V] on the host, normed output [1, H])."""
+        assert ctx.views is not None
+        put = self.ops.asarray
+        logits, out = self.head.forward(put(np.asarray([token], np.int64)),
+                                        put(np.asarray([pos], np.int64)), hidden,
+                                        ctx.views.ring, self.kv_scales)
+        return self.ops.to_host(logits)[0], out
+
+    def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
+        """Feed the slots of the rows this step committed (hidden: [rows, H], every row)."""
+        count_accepted(self, rows, num_new_tokens)
+        ctx = self.contexts.get(seq)
+        if ctx is None or ctx.num_valid < 0 or hidden is None:
+            return
+        valid_end = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + num_new_tokens
+        try:
+            self._sync(ctx, seq, rows.start_pos, valid_end, hidden)
+        except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
+            log.exception("MTP sync failed for request %d; decoding without drafts",
+                          seq.request_id)
+            ctx.num_valid = -1
+
+    def _sync(self, ctx: DraftContext, seq: Sequence, start_pos: int, valid_end: int,
+              hidden: Array) -> None:
+        """Slots [num_valid, valid_end - 1) into the ring; h_{valid_end - 1} becomes the state.
+        hidden: the target's rows at positions start_pos.. (those < valid_end are committed)."""
+        assert ctx.views is not None
+        lo, hi = ctx.num_valid, valid_end - 1
+        first = lo + 1 if ctx.has_state else lo  # first slot whose hidden is a row of this step
+        if first < start_pos or hi < lo:
+            ctx.num_valid = -1  # a gap (never expected): stop drafting for this stream
+            return
+        if hi > lo:
+            rows_h = hidden[first - start_pos: hi - start_pos]
+            if ctx.has_state:
+                rows_h = self.ops.xp.concatenate([ctx.views.state[None], rows_h])
+            write_slots(self.head, seq.token_slice(lo + 1, hi + 1), lo, rows_h, ctx.views.ring,
+                        self.kv_scales)
+        ctx.views.state[...] = hidden[hi - start_pos]
+        ctx.num_valid, ctx.has_state = hi, True
+
+    def stats(self) -> dict[str, int]:
+        areas = self.contexts.areas
+        return {**zero_stats(), "drafted_tokens": self.num_drafted,
+                "accepted_tokens": self.num_accepted, "draft_areas_in_use": areas.num_in_use,
+                "draft_areas_bytes": areas.num_bytes, "draft_area_bytes_in_use": areas.bytes_in_use,
+                "draft_contexts_owned": self.contexts.num_owned}
+
+
+def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
+                kv_scales: Array) -> None:
+    """The K/V of MTP slots first_pos.. into the ring: the part of MtpHead.forward that later
+    slots read (same ops, so the same bits); no FFN and no LM head for committed slots.
+    hidden: [len(token_ids), H]."""
+    ops, w, cfg = head.ops, head.weights, head.config
+    eps, rows = cfg.rms_norm_eps, len(token_ids)
+    put = ops.asarray
+    pos = np.arange(first_pos, first_pos + rows, dtype=np.int64)
+    emb = ops.rms_norm(ops.embed(head.decoder.weights.embed, put(np.asarray(token_ids, np.int64))),
+                       w.pre_fc_norm_embedding, eps)
+    u = ops.linear(ops.xp.concatenate([emb, ops.rms_norm(hidden, w.pre_fc_norm_hidden, eps)],
+                                      axis=-1), w.fc)
+    a = ops.rms_norm(u, w.layer.input_norm, eps)
+    attn = w.layer.mixer
+    k = ops.rms_norm(ops.linear(a, attn.k).reshape(rows, cfg.num_kv_heads, cfg.head_dim),
+                     attn.k_norm, eps)
+    v = ops.linear(a, attn.v).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
+    device_pos = put(pos)
+    ops.rope(k, device_pos, head.decoder.inv_freq, head.decoder.mscale)
+    ops.kv_write(ring, 0, k, v, put(pos % int(ring.shape[2])), kv_scales)
+
+
+def ready(ctx: DraftContext, seq: Sequence) -> bool:
+    """The ring holds every committed slot and the state the newest hidden (pending slot =
+    (last token, state))."""
+    return ctx.has_state and ctx.num_valid == seq.num_tokens - 2
+
+
+# ---- construction -------------------------------------------------------------------------
 def find_mtp_head(ckpt: Checkpoint) -> Any | None:
-    """The checkpoint's MTP layer, detected by tensor presence (`mtp.fc.weight`) at load."""
+    """The checkpoint's MTP weights, detected by tensor presence (`mtp.fc.weight`) at load."""
     return getattr(ckpt.weights, "mtp", None)
 
 
@@ -29,10 +183,58 @@ def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
 
 
 def require_mtp_head(ckpt: Checkpoint) -> Any:
+    """The MTP weights, or a BadInputError saying why there are none (not a hybrid; a config
+    that declares MTP but files without mtp.* tensors; unsupported)."""
     head = find_mtp_head(ckpt)
     if head is None:
+        why = ckpt.meta.get("mtp") or "no mtp.fc.weight tensor"
         raise BadInputError(
-            f"--drafter mtp: model {ckpt.path} ({ckpt.config.arch}) has no MTP layer "
-            f"(no mtp.fc.weight tensor); use --drafter ngram or --drafter draft:PATH",
-            param="drafter")
+            f"--drafter mtp: model {ckpt.path} ({ckpt.config.arch}) has no MTP layer to draft "
+            f"with ({why}); use --drafter ngram or --drafter draft:PATH", param="drafter")
     return head
+
+
+def make_mtp_drafter(options: dict[str, Any], ckpt: Checkpoint, runner: Runner, capacity: int,
+                     num_areas: int, *, make_contexts: MakeContexts) -> MtpDrafter:
+    """The MTP drafter on the runner's hybrid decoder; the runner then returns every row's
+    hidden state (the ring is synced from them)."""
+    from ...models.mtp import make_mtp_head
+
+    require_mtp_head(ckpt)
+    head = make_mtp_head(runner.decoder)  # type: ignore[arg-type]
+    scales = ring_kv_scales(head, ckpt, options["kv_dtype"])
+    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options["kv_dtype"]), num_areas)
+    runner.all_hidden = True
+    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options["draft_tokens"])
+
+
+def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray:
+    """[1, 2] K/V scales of the MTP ring: ones, or for fp8 calibrated like the trunk's."""
+    if kv_dtype != "fp8":
+        return np.ones((1, 2), np.float32)
+    from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
+
+    ids = ckpt.tokenizer.encode(CALIBRATION_TEXT)
+    ring = mtp_calibration_ring(head, ids)
+    amax = np.abs(head.ops.to_host(ring)).reshape(2, -1).max(axis=-1)[None]
+    return (np.maximum(amax, 1e-6) * HEADROOM / E4M3_MAX).astype(np.float32)
+
+
+def mtp_calibration_ring(head: MtpHead, token_ids: list[int]) -> Array:
+    """The MTP layer's f32 K/V over a calibration text (the target run on a fresh state)."""
+    from ...models.decoder import ForwardBatch
+
+    ops, cfg, decoder = head.ops, head.config, head.decoder
+    rows = len(token_ids)
+    pos = np.arange(rows, dtype=np.int64)
+    put = ops.asarray
+    batch = ForwardBatch(put(np.asarray(token_ids, np.int64)), put(pos), put(pos),
+                         put(np.zeros(rows, np.int32)), put(np.zeros((1, 1), np.int32)),
+                         put(np.asarray([rows - 1], np.int64)), rows, put(np.zeros(1, np.int32)))
+    kv = ops.alloc_kv(cfg.num_layers, rows, cfg.num_kv_heads, cfg.head_dim, "f32")
+    _, hidden = decoder.forward(batch, kv, put(np.ones((cfg.num_layers, 2), np.float32)),
+                                states=decoder.new_states(1, with_snapshots=False),
+                                all_hidden=True)
+    ring = ops.alloc_kv(1, rows, cfg.num_kv_heads, cfg.head_dim, "f32")
+    write_slots(head, token_ids[1:], 0, hidden[:-1], ring, put(np.ones((1, 2), np.float32)))
+    return ring

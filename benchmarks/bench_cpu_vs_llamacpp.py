@@ -1,0 +1,142 @@
+"""Prefill and decode tokens/s of the default model on this CPU: tf_async vs llama.cpp
+(llama-cpp-python, same GGUF, same thread count) vs transformers (where installed), side by side.
+
+Usage: python benchmarks/bench_cpu_vs_llamacpp.py [--threads 2] [--repeats 5] [--decode 64] [--prefill 256]
+Each figure is the median of `repeats` runs; the engines alternate inside every repeat, and each
+run is a fresh process so that one library's thread pool never competes with another's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import statistics
+import time
+
+TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall "
+        "of Constantinople. Historians divide it into periods marked by wars, reforms and emperors. ") * 20
+
+
+def bench_tf_async(path: str, ids: list[int], decode: int) -> tuple[float, float]:
+    from tf_async import Engine
+
+    async def run() -> tuple[float, float]:
+        async with Engine(path, device="cpu", parallel=1, ctx=2048, step_tokens=512) as eng:
+            await eng.complete(ids[:8], max_tokens=2)  # warm-up / compile
+            t0 = time.perf_counter()
+            await eng.complete(ids, max_tokens=1)
+            prefill = len(ids) / (time.perf_counter() - t0)
+            first = None
+            n = 0
+            async for d in eng.stream(ids[:16], max_tokens=decode, ignore_eos=True):
+                n += len(d.token_ids)
+                if first is None:
+                    first = time.perf_counter()
+            return prefill, (n - 1) / (time.perf_counter() - first)
+
+    return asyncio.run(run())
+
+
+def bench_llama_cpp(path: str, ids: list[int], decode: int, threads: int) -> tuple[float, float]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+                n_batch=512, verbose=False)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    prefill = len(ids) / (time.perf_counter() - t0)
+    llm.reset()
+    llm.eval(ids[:16])
+    t0 = time.perf_counter()
+    for _ in range(decode - 1):
+        tok = llm.sample(temp=0.0)
+        llm.eval([tok])
+    return prefill, (decode - 1) / (time.perf_counter() - t0)
+
+
+def bench_transformers(path: str, ids: list[int], decode: int, threads: int) -> tuple[float, float] | None:
+    """transformers' Llama in f32 with the GGUF's weights dequantized (same values)."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    model = _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model(torch.tensor([ids]))
+        prefill = len(ids) / (time.perf_counter() - t0)
+        out = model(torch.tensor([ids[:16]]), use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode - 1):
+            out = model(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return prefill, (decode - 1) / (time.perf_counter() - t0)
+
+
+def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: ANN001, ANN202, N803
+    from tf_async.models.loader import load_checkpoint
+
+    ck = load_checkpoint(path)
+    c, w = ck.config, ck.weights
+    cfg = LlamaConfig(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                      intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                      rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=True,
+                      max_position_embeddings=c.max_position_embeddings)
+    model = LlamaForCausalLM(cfg).eval()
+    sd = {"model.embed_tokens.weight": w.embed.dequantize(), "model.norm.weight": w.final_norm}
+    for i, layer in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = layer.input_norm
+        sd[p + "post_attention_layernorm.weight"] = layer.post_norm
+        for n in ("q", "k", "v", "o"):
+            sd[p + f"self_attn.{n}_proj.weight"] = getattr(layer, n).dequantize()
+        for n in ("gate", "up", "down"):
+            sd[p + f"mlp.{n}_proj.weight"] = getattr(layer, n).dequantize()
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, strict=False)
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=256)
+    args = ap.parse_args()
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(args.threads))
+    from tf_async.models.default import default_model_path
+    from tf_async.models.loader import load_checkpoint
+
+    path = default_model_path()
+    ids = load_checkpoint(path).tokenizer.encode(TEXT)[: args.prefill]
+    results: dict[str, list[tuple[float, float]]] = {"tf_async": [], "llama.cpp": [], "transformers": []}
+    ctx = multiprocessing.get_context("spawn")
+    for _ in range(args.repeats):
+        with ctx.Pool(1) as pool:
+            results["tf_async"].append(pool.apply(bench_tf_async, (path, ids, args.decode)))
+        with ctx.Pool(1) as pool:
+            results["llama.cpp"].append(pool.apply(bench_llama_cpp, (path, ids, args.decode, args.threads)))
+        with ctx.Pool(1) as pool:
+            hf = pool.apply(bench_transformers, (path, ids, args.decode, args.threads))
+        if hf:
+            results["transformers"].append(hf)
+    base = statistics.median(d for _, d in results["llama.cpp"])
+    print(f"default model, {args.threads} threads, prefill {len(ids)} tokens, decode {args.decode} tokens, "
+          f"median of {args.repeats}")
+    print(f"{'engine':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs llama.cpp':>20}")
+    for name, runs in results.items():
+        if runs:
+            pre = statistics.median(p for p, _ in runs)
+            dec = statistics.median(d for _, d in runs)
+            print(f"{name:<14} {pre:>14.1f} {dec:>13.1f} {dec / base:>19.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Qwen3.5 hybrids in the engine: tiny qwen3_5 / qwen3_5_moe checkpoints (HF and MLX) pass every
+gate (drafted == plain with the MTP drafter and ngram, greedy and seeded at temperature 8);
+the lane lifecycle zeroes the recurrent state at open (and on re-admission after preemption);
+forced drafts roll the state back exactly; the MTP drafter's ring stays in sync (each of its
+proposals equals drafts recomputed from scratch); cancels mid-draft; refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import tiny_qwen35 as tq
+from tf_async import BadInputError, Engine
+from tf_async.engine.drafters.model import choose_like_target
+from tf_async.gate import PROMPTS, run_gates
+from tf_async.models.decoder import ForwardBatch
+from tf_async.models.loader import load_checkpoint
+
+pytestmark = pytest.mark.asyncio
+
+MAX_TOKENS = 16
+HOT = 8.0  # seeded sampling this hot on a tiny random model is far from greedy
+VARIANTS = {  # name: (moe, writer, writer kwargs)
+    "dense-hf-bf16": (False, "hf", {"dtype": "bf16"}),
+    "dense-mlx4": (False, "mlx", {"bits": 4}),
+    "moe-hf-bf16-per-expert-mtp": (True, "hf", {"dtype": "bf16", "per_expert_mtp": True}),
+    "moe-mlx4": (True, "mlx", {"bits": 4}),
+}
+
+
+def write_variant(folder: Path, moe: bool, kind: str, **kw) -> Path:
+    cfg = tq.tiny_qwen35_config(moe=moe)
+    weights = tq.random_qwen35_weights(cfg, seed=21 if moe else 5)
+    if kind == "hf":
+        return tq.write_qwen35_hf(folder, cfg, weights, kw.pop("dtype"), **kw)
+    return tq.write_qwen35_mlx(folder, cfg, weights, kw.pop("bits"), 32, **kw)
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = {}
+    for name, (moe, kind, kw) in VARIANTS.items():
+        out[name] = load_checkpoint(write_variant(tmp_path_factory.mktemp(name), moe, kind, **kw))
+    return out
+
+
+def sampling(mode: str, index: int, max_tokens: int = MAX_TOKENS) -> dict:
+    if mode == "greedy":
+        return {"max_tokens": max_tokens}
+    return {"max_tokens": max_tokens, "temperature": HOT, "top_k": 40, "seed": 300 + index}
+
+
+def engine(ckpt, **kw) -> Engine:
+    return Engine(ckpt, **{**dict(device="cpu", parallel=4, ctx=128, page_size=4,
+                                  step_tokens=16), **kw})
+
+
+async def run_all(eng: Engine, mode: str, prompts=PROMPTS) -> list[list[int]]:
+    outs = await asyncio.gather(*(eng.complete(p, **sampling(mode, i))
+                                  for i, p in enumerate(prompts)))
+    return [o.token_ids for o in outs]
+
+
+async def idle_stats(eng: Engine) -> dict:
+    for _ in range(400):
+        s = eng.stats()
+        if s["running"] == 0 and s["queued"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    s = eng.stats()
+    assert (s["lanes_in_use"], s["pages_in_use"], s["draft_areas_in_use"]) == (0, 0, 0), s
+    return s
+
+
+@pytest.fixture(scope="module")
+def plain(hybrids) -> dict:
+    """Plain outputs of every checkpoint, solo (one lane), greedy and seeded."""
+    async def solo(ckpt, mode: str) -> list[list[int]]:
+        async with engine(ckpt, parallel=1) as eng:
+            return [(await eng.complete(p, **sampling(mode, i))).token_ids
+                    for i, p in enumerate(PROMPTS)]
+
+    return {(name, mode): asyncio.run(solo(ckpt, mode))
+            for name, ckpt in hybrids.items() for mode in ("greedy", "seeded")}
+
+
+# ---- every gate ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(VARIANTS))
+async def test_all_gates_pass(hybrids, name):
+    rows, idle = await run_gates(hybrids[name], device="cpu", max_tokens=10, ctx=128,
+                                 prompts=PROMPTS[:6], drafters=("mtp", "ngram"), temperature=HOT)
+    failed = [r for r in rows if not r.ok]
+    assert not failed, failed
+    assert len(rows) == 2 * (4 + 1 + 3 + 2) + 1
+    mtp = idle["drafted-mtp-seeded"]
+    assert mtp["drafted_tokens"] > 0 and mtp["recurrent_state_bytes_per_lane"] > 0
+
+
+# ---- the lane lifecycle zeroes the recurrent state ------------------------------------------
+async def test_state_is_zeroed_at_open_and_after_preemption(hybrids, plain):
+    name = "moe-mlx4"
+    # 24 pages of 4 rows for 3 lanes: streams are preempted and recompute from zero state
+    async with engine(hybrids[name], parallel=3, ctx=96, kv_pages=24, step_tokens=8) as eng:
+        states = eng.parts.runner.states
+        states.conv[...] = 7.0  # garbage in every lane: only the zeroing at open removes it
+        states.delta[...] = -3.0
+        got = await run_all(eng, "greedy")
+        stats = await idle_stats(eng)
+        assert eng.parts.scheduler.num_preemptions > 0
+    assert got == plain[name, "greedy"]
+    lane_bytes = 4 * 3 * (3 * 128 + 4 * 16 * 16)  # gdn layers * ((K-1) * C + Hv * dk * dv)
+    assert stats["recurrent_state_bytes_per_lane"] == lane_bytes
+    assert stats["recurrent_snapshot_bytes_per_lane"] == lane_bytes
+
+
+async def test_mutation_without_zeroing_at_open_turns_red(hybrids, plain, monkeypatch):
+    from tf_async.engine.runner import Runner
+
+    monkeypatch.setattr(Runner, "prepare_lanes", lambda self, plan: None)
+    async with engine(hybrids["dense-hf-bf16"], parallel=2) as eng:
+        eng.parts.runner.states.delta[...] = -3.0
+        got = await run_all(eng, "greedy", PROMPTS[:2])
+    assert got != plain["dense-hf-bf16", "greedy"][:2]
+
+
+# ---- forced drafts: exact rollback, and the MTP ring in sync --------------------------------
+class ForcedDrafts:
+    """Wraps the engine's drafter: its own proposal runs (recorded, to check against drafts
+    recomputed from scratch); with `truth`, the verify rows then get the tokens the target will
+    emit, made wrong at a cycling index, so every acceptance length 0..k happens."""
+
+    WRONG_AT = (0, None, 1, 2, None, 3)
+
+    def __init__(self, inner, vocab: int, truth: dict[tuple[int, ...], list[int]] | None = None):
+        self.inner = inner
+        self.truth = truth
+        self.vocab = vocab
+        self.proposals: list[tuple[list[int], object, int, tuple[int, ...]]] = []
+        self._wrong = itertools.cycle(self.WRONG_AT)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the Drafter interface
+        return getattr(self.inner, name)
+
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
+        drafts = self.inner.propose(seq, limit)
+        count = min(limit, self.inner.draft_tokens)
+        if count > 0:
+            tokens = [*seq.prompt_ids, *seq.output_ids]
+            self.proposals.append((tokens, replace_seq(seq), count, drafts))
+        if self.truth is None:
+            return drafts
+        done = len(seq.output_ids)
+        forced = list(self.truth[tuple(seq.prompt_ids)][done:done + count])
+        wrong = next(self._wrong)
+        if wrong is not None and wrong < len(forced):
+            forced[wrong] = (forced[wrong] + 1) % self.vocab
+        return tuple(forced)
+
+    def check_proposals(self) -> None:
+        """Every proposal equals the drafts recomputed from scratch (the ring was in sync)."""
+        assert len(self.proposals) > 5
+        for tokens, seq, count, drafts in self.proposals:
+            assert drafts == fresh_mtp_drafts(self.inner.head, tokens, seq, count), tokens
+
+
+def replace_seq(seq):  # noqa: ANN001, ANN201 - a frozen copy of what sampling reads
+    return replace(seq, output_ids=list(seq.output_ids))
+
+
+def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...]:
+    """Drafts from scratch: the target over tokens[:-1] on a fresh state, every MTP slot in a
+    fresh ring, then `count` draft steps sampled as the target would."""
+    decoder, ops = head.decoder, head.ops
+    cfg, num = decoder.config, len(tokens)
+    pos = np.arange(num - 1, dtype=np.int64)
+    batch = ForwardBatch(np.asarray(tokens[:-1], np.int64), pos, pos.copy(),
+                         np.zeros(num - 1, np.int32), np.zeros((1, 1), np.int32),
+                         np.asarray([num - 2], np.int64), 128, np.zeros(1, np.int32))
+    kv = ops.alloc_kv(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
+    _, hidden = decoder.forward(batch, kv, np.ones((cfg.num_layers, 2), np.float32),
+                                states=decoder.new_states(1, False), all_hidden=True)
+    ring = ops.alloc_kv(1, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
+    logits, out = head.forward(np.asarray(tokens[1:], np.int64), pos, hidden, ring)
+    row, prev, outputs, drafts = logits[-1], out[-1:], list(seq.output_ids), []
+    for step in range(count):
+        token = choose_like_target(seq, row, outputs, num + step)
+        if token in seq.stop_ids:
+            break
+        drafts.append(token)
+        outputs.append(token)
+        logits, prev = head.forward(np.asarray([token], np.int64),
+                                    np.asarray([num - 1 + step], np.int64), prev, ring)
+        row = logits[-1]
+    return tuple(drafts)
+
+
+@pytest.mark.parametrize("name", ["dense-mlx4", "moe-hf-bf16-per-expert-mtp"])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+async def test_forced_drafts_roll_back_exactly_and_mtp_stays_in_sync(hybrids, plain, name, mode):
+    ckpt, truth = hybrids[name], plain[name, mode]
+    async with engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4) as eng:
+        ids = {tuple(eng.tokenizer.encode(p)): out for p, out in zip(PROMPTS, truth, strict=True)}
+        forced = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size, ids)
+        eng.parts.scheduler.drafter = forced
+        got = await run_all(eng, mode)
+        stats = await idle_stats(eng)
+    assert got == truth
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+    forced.check_proposals()
+
+
+async def test_mtp_proposals_equal_drafts_from_scratch(hybrids, plain):
+    """Unforced, seeded: the MTP drafter's own drafts equal a fresh recomputation."""
+    ckpt = hybrids["moe-mlx4"]
+    async with engine(ckpt, parallel=2, step_tokens=5, drafter="mtp", draft_tokens=3) as eng:
+        spy = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size)
+        eng.parts.scheduler.drafter = spy
+        got = await run_all(eng, "seeded", PROMPTS[:3])
+        await idle_stats(eng)
+    assert got == plain["moe-mlx4", "seeded"][:3]
+    spy.check_proposals()
+
+
+# ---- cancels, failures, fp8 -----------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["mtp", "ngram"])
+async def test_cancels_mid_draft_leave_others_equal_to_plain(hybrids, plain, spec):
+    name = "dense-hf-bf16"
+    cancel_after = [None, 1, None, 5, 2, None, 9, None]
+    async with engine(hybrids[name], parallel=3, step_tokens=5, drafter=spec,
+                      draft_tokens=4) as eng:
+        async def one(i: int) -> list[int] | None:
+            ids: list[int] = []
+            stream = eng.stream(PROMPTS[i], **sampling("seeded", i))
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+                if cancel_after[i] is not None and len(ids) >= cancel_after[i]:
+                    await stream.aclose()  # acted on between rounds, drafts in flight or not
+                    return None
+            return ids
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+        await asyncio.sleep(0)
+        tasks[7].cancel()  # before any token: mid-prompt
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        stats = await idle_stats(eng)
+    for i, got in enumerate(results):
+        if cancel_after[i] is None and i != 7:
+            assert got == plain[name, "seeded"][i], i
+    assert stats["draft_area_bytes_in_use"] == 0 and stats["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("forced", [False, True])
+async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybrids, plain,
+                                                                           forced):
+    """The forward fails after it advanced the states: lanes saved for verification (forced
+    drafts) go back and run alone; the others' state is lost, so they fail clearly."""
+    name = "dense-mlx4"
+    async with engine(hybrids[name], parallel=4, drafter="mtp" if forced else None,
+                      draft_tokens=2) as eng:
+        runner = eng.parts.runner
+        if forced:  # every decode round verifies drafts: those lanes are saved
+            ids = {tuple(eng.tokenizer.encode(p)): out
+                   for p, out in zip(PROMPTS, plain[name, "greedy"], strict=True)}
+            eng.parts.scheduler.drafter = ForcedDrafts(eng.parts.scheduler.drafter,
+                                                       hybrids[name].config.vocab_size, ids)
+        real_forward, real_lost = runner.decoder.forward, runner._lost_states
+        rounds, seen = itertools.count(), []
+
+        def forward(batch, kv, scales, **kw):  # noqa: ANN001, ANN202
+            out = real_forward(batch, kv, scales, **kw)
+            if len(batch.token_ids) > 1 and next(rounds) == 12:
+                raise RuntimeError("injected failure after the state advanced")
+            return out
+
+        def lost_states(plan, saved):  # noqa: ANN001, ANN202
+            lost = real_lost(plan, saved)
+            seen.append((saved, lost))
+            return lost
+
+        runner.decoder.forward, runner._lost_states = forward, lost_states
+        outs = await asyncio.gather(*(eng.complete(p, **sampling("greedy", i))
+                                      for i, p in enumerate(PROMPTS)), return_exceptions=True)
+        await idle_stats(eng)
+    failed = [str(o) for o in outs if isinstance(o, Exception)]
+    assert all("recurrent state was lost" in e for e in failed), failed
+    for i, out in enumerate(outs):
+        if not isinstance(out, Exception):
+            assert out.token_ids == plain[name, "greedy"][i], i
+    (saved, lost), = seen
+    print("SEEN", saved, lost, failed)
+    assert len(lost) == len(failed) and (saved if forced else not saved)
+    assert (len(failed) > 0) != forced or len(failed) < len(PROMPTS)
+
+
+async def test_fp8_kv_calibrates_and_mtp_drafts_equal_plain(hybrids):
+    ckpt = hybrids["moe-mlx4"]
+    results = {}
+    for spec in (None, "mtp"):
+        async with engine(ckpt, kv_dtype="fp8", drafter=spec) as eng:
+            results[spec] = await run_all(eng, "seeded", PROMPTS[:4])
+            scales = eng.parts.arena.kv_scales
+            ring_scales = None if spec is None else eng.parts.scheduler.drafter.kv_scales
+            await idle_stats(eng)
+    assert results["mtp"] == results[None]
+    assert not np.allclose(scales, 1.0) and not np.allclose(ring_scales, 1.0)
+
+
+# ---- refusals ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["hf", "mlx"])
+async def test_declared_mtp_without_weights_is_refused_clearly(tmp_path, kind):
+    extra = {"dtype": "f32", "with_mtp": False} if kind == "hf" else {"bits": 4, "keep_mtp": False}
+    path = write_variant(tmp_path / kind, False, kind, **extra)
+    with pytest.raises(BadInputError, match=r"no MTP layer.*declares mtp_num_hidden_layers=1 "
+                                            r"but the files hold no mtp\.\* tensors"):
+        async with engine(str(path), drafter="mtp"):
+            pass
+    async with engine(str(path), drafter="ngram") as eng:  # the model itself serves
+        assert len((await eng.complete(PROMPTS[0], max_tokens=3)).token_ids) == 3
+
+
+async def test_a_hybrid_as_draft_model_is_refused(hybrids, tiny_llama):
+    path = hybrids["dense-hf-bf16"].path
+    with pytest.raises(BadInputError, match="recurrent state.*--drafter mtp"):
+        async with engine(hybrids["dense-hf-bf16"], drafter=f"draft:{path}"):
+            pass
+    with pytest.raises(BadInputError, match="no MTP layer"):
+        async with engine(tiny_llama, drafter="mtp"):
+            pass
