@@ -9,6 +9,7 @@ chromium` and `pip install playwright`).
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import pytest_asyncio
@@ -92,6 +93,15 @@ WebSocket.prototype.send = function (data) {
 
 
 async def test_stop_button_stops_the_reply(engine, browser, page_url):
+    # Throttle the engine (5 ms a round) so that the reply is still streaming when Stop is clicked.
+    engine.parts.runner.fault_injector = lambda rows: time.sleep(0.005)
+    try:
+        await _click_stop_mid_reply(engine, browser, page_url)
+    finally:
+        engine.parts.runner.fault_injector = None
+
+
+async def _click_stop_mid_reply(engine, browser, page_url):
     page = await browser.new_page()
     page.set_default_timeout(TIMEOUT_MS)
     await page.add_init_script(IGNORE_EOS_SCRIPT)

@@ -151,12 +151,14 @@ def mib(num_bytes: int) -> str:
 
 
 def lane_memory_lines(name: str, target: ModelConfig, drafter: ModelConfig, *, parallel: int,
-                      ctx: int, kv_dtype: str, drafter_layers: int, drafter_name: str) -> list[str]:
-    """Per-lane drafter memory: fixed (a buffer per lane before) vs in the run (now)."""
+                      ctx: int, kv_dtype: str, drafter_layers: int, drafter_name: str,
+                      recurrent_bytes: int = 0, snapshot_bytes: int = 0) -> list[str]:
+    """Per-lane drafter memory: fixed (a buffer per lane before) vs in the run (now); hybrids
+    add each lane's recurrent state (`recurrent_bytes`, and the copy kept for draft rollback)."""
     layout = AreaLayout.for_model(drafter, ctx, kv_dtype, num_layers=drafter_layers)
     per_lane = layout.num_bytes
     kv_row = target.num_layers * 2 * target.num_kv_heads * target.head_dim * KV_ITEMSIZE[kv_dtype]
-    return [
+    lines = [
         f"{name}, drafter {drafter_name} ({drafter_layers} ring layer(s)), "
         f"--parallel {parallel} --ctx {ctx} --kv-dtype {kv_dtype}",
         f"  drafter area: ring {mib(layout.ring_bytes)} + pad + state {layout.state_bytes} B "
@@ -166,3 +168,8 @@ def lane_memory_lines(name: str, target: ModelConfig, drafter: ModelConfig, *, p
         f"{mib(per_lane)}; arena drafter region {mib(parallel * align_up(per_lane))} "
         f"({parallel} areas)",
     ]
+    if recurrent_bytes:
+        lines.append(f"  recurrent state a lane (in the run, zeroed at open): {mib(recurrent_bytes)}"
+                     f" + rollback copy {mib(snapshot_bytes)}; all lanes "
+                     f"{mib(parallel * (recurrent_bytes + snapshot_bytes))}")
+    return lines

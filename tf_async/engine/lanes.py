@@ -1,6 +1,11 @@
 """Lane lifecycle: open (run zeroed) -> steps -> release (drain -> free). One release path.
 
-    lane:  | free | --try_open--> | open: run = pages (+ drafter area) | --release--> | free |
+    lane:  | free | --try_open--> | open: run = pages (+ recurrent state, + drafter area) |
+           --release--> | free |
+
+The run's new pages and, for hybrid models, the lane's recurrent state are zeroed by the
+runner on the engine stream before the lane's first step (RoundPlan.pages_to_zero and
+lanes_to_zero); the drafter area is zeroed when the drafter borrows it.
 """
 
 from __future__ import annotations

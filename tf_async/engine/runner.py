@@ -172,7 +172,10 @@ class Runner:
         block_table = np.zeros((len(lanes), max_pages), np.int32)
         for lane in lanes:
             block_table[seq_of_lane[lane], : len(tables[lane])] = tables[lane]
-        tokens, positions, row_seq, logit_rows = [], [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        row_seq: list[int] = []
+        logit_rows: list[int] = []
         for rows in all_rows:
             count = len(rows.token_ids)
             base = len(tokens)

@@ -117,23 +117,25 @@ class Scheduler:
             self.running.append(seq)
 
     def _decode_rows(self, seq: Sequence, pages_to_zero: list[int]) -> SeqRows | None:
+        lane = seq.lane
+        assert lane is not None
         room = max(0, self._room_for_drafts(seq))
         drafts = self.drafter.propose(seq, room) if self.drafter is not None else ()
         drafts = tuple(drafts[:room])
-        new_pages = self.runs.reserve(seq.lane, seq.num_tokens + len(drafts))
+        new_pages = self.runs.reserve(lane, seq.num_tokens + len(drafts))
         if new_pages is None and drafts:  # out of pages: drop the drafts first
             drafts = ()
-            new_pages = self.runs.reserve(seq.lane, seq.num_tokens)
+            new_pages = self.runs.reserve(lane, seq.num_tokens)
         while new_pages is None:
             victim = max(self.running, key=lambda s: s.admitted_round)  # latest admitted
             self._preempt(victim)
             if victim is seq:
                 return None
-            new_pages = self.runs.reserve(seq.lane, seq.num_tokens)
+            new_pages = self.runs.reserve(lane, seq.num_tokens)
         pages_to_zero.extend(new_pages)
         # the last token, after any rows to redo (rollback), then the drafts
         tokens = (*seq.token_slice(seq.num_computed, seq.num_tokens), *drafts)
-        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, 1 + len(drafts),
+        return SeqRows(seq.request_id, lane, seq.num_computed, tokens, 1 + len(drafts),
                        tuple(drafts))
 
     def _room_for_drafts(self, seq: Sequence) -> int:
@@ -141,19 +143,21 @@ class Scheduler:
         return min(left, self.ctx - seq.num_tokens - 1)
 
     def _prompt_cut(self, seq: Sequence, budget: int, pages_to_zero: list[int]) -> SeqRows | None:
+        lane = seq.lane
+        assert lane is not None
         num_rows = min(seq.num_pending, budget)
         if self.runs.paging:
-            room = (len(self.runs.pages(seq.lane)) + self.runs.pool.num_free) * self.runs.page_size
+            room = (len(self.runs.pages(lane)) + self.runs.pool.num_free) * self.runs.page_size
             num_rows = min(num_rows, room - seq.num_computed)
         if num_rows <= 0:
             return None
-        new_pages = self.runs.reserve(seq.lane, seq.num_computed + num_rows)
+        new_pages = self.runs.reserve(lane, seq.num_computed + num_rows)
         assert new_pages is not None
         pages_to_zero.extend(new_pages)
         stop = seq.num_computed + num_rows
         tokens = tuple(seq.token_slice(seq.num_computed, stop))
         samples = 1 if stop == seq.num_tokens else 0
-        return SeqRows(seq.request_id, seq.lane, seq.num_computed, tokens, samples)
+        return SeqRows(seq.request_id, lane, seq.num_computed, tokens, samples)
 
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""

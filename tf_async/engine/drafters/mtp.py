@@ -23,6 +23,7 @@ import numpy as np
 
 from ...backend.base import Array
 from ...errors import BadInputError
+from ...models.qwen35 import GatedAttentionWeights
 from ..area import AreaLayout
 from ..drafting import DraftContext, DraftContexts, count_accepted, zero_stats
 from .model import MakeContexts, choose_like_target
@@ -157,6 +158,7 @@ def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Arr
                                       axis=-1), w.fc)
     a = ops.rms_norm(u, w.layer.input_norm, eps)
     attn = w.layer.mixer
+    assert isinstance(attn, GatedAttentionWeights), "the MTP layer is a full-attention layer"
     k = ops.rms_norm(ops.linear(a, attn.k).reshape(rows, cfg.num_kv_heads, cfg.head_dim),
                      attn.k_norm, eps)
     v = ops.linear(a, attn.v).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
