@@ -203,7 +203,10 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 async def test_forced_drafts_roll_back_exactly_and_mtp_stays_in_sync(hybrids, plain, name, mode):
     ckpt, truth = hybrids[name], plain[name, mode]
-    async with engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4) as eng:
+    one_area = name.startswith("moe")  # one drafter area: the other lanes own their context
+    eng = engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4)
+    eng.options["draft_areas"] = 1 if one_area else None
+    async with eng:
         ids = {tuple(eng.tokenizer.encode(p)): out for p, out in zip(PROMPTS, truth, strict=True)}
         forced = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size, ids)
         eng.parts.scheduler.drafter = forced
@@ -211,6 +214,7 @@ async def test_forced_drafts_roll_back_exactly_and_mtp_stays_in_sync(hybrids, pl
         stats = await idle_stats(eng)
     assert got == truth
     assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+    assert (stats["draft_contexts_owned"] > 0) == one_area
     forced.check_proposals()
 
 
@@ -332,7 +336,7 @@ async def test_a_hybrid_as_draft_model_is_refused(hybrids, tiny_llama):
             pass
 
 
-def test_memory_report_counts_the_recurrent_state(hybrids):
+async def test_memory_report_counts_the_recurrent_state(hybrids):
     from tf_async.engine.area import lane_memory_lines, mib
 
     ckpt = hybrids["moe-mlx4"]
