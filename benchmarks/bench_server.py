@@ -61,7 +61,7 @@ def prompts(num: int) -> list[str]:
 async def inprocess_stream(engine, prompt: str, max_tokens: int) -> StreamTiming:
     start = last = time.perf_counter()
     ttft, gaps, num_tokens = 0.0, [], 0
-    async for delta in engine.stream(prompt, max_tokens=max_tokens, ignore_eos=True):
+    async for delta in engine.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0):
         now = time.perf_counter()
         if delta.token_ids:
             if num_tokens == 0:
@@ -75,7 +75,7 @@ async def inprocess_stream(engine, prompt: str, max_tokens: int) -> StreamTiming
 
 async def sse_stream(http: aiohttp.ClientSession, url: str, prompt: str,
                      max_tokens: int) -> StreamTiming:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0,
             "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
     ttft, gaps, num_chunks, num_tokens = 0.0, [], 0, 0

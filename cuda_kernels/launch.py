@@ -2,7 +2,7 @@
 arrays that are already checked (dtype, layout, bounds) and device-resident (or NumPy
 arrays under the simulator), plus a Numba stream (None = the default stream).
 
-FEW_ROWS_MAX decides between the matmul's few-rows and many-rows paths; the two give
+matmul.FEW_ROWS_MAX decides between the matmul's few-rows and many-rows paths; the two give
 bit-identical rows (same reduction order), so the choice never changes a token.
 """
 
@@ -15,7 +15,6 @@ from cuda_kernels import moe as _moe
 from cuda_kernels import norm as _norm
 from cuda_kernels import sampling as _smp
 
-FEW_ROWS_MAX = 4
 _MAX_GRID_1D = 65535 * 64
 KV_KINDS = {"float32": "f32", "uint16": "bf16", "uint8": "fp8"}
 
@@ -37,11 +36,23 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     placeholder int32 array). path: 'few', 'many' or None (by row count)."""
     rows, out_features = out.shape
     if path is None:
-        path = "few" if rows <= FEW_ROWS_MAX or grouped else "many"
-    rows_tile = 1 if path == "few" else _mm.MANY_ROWS_TILE
-    kernel = _mm.matmul_kernel(kind, rows_tile, grouped)
-    grid, block = _mm.launch_shape(rows, out_features, rows_tile)
-    _go(kernel, grid, block, stream, x, w, scales, biases, group_size, expert_ids, out)
+        path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
+    vec_x = _address(x) % (4 * _mm.X_BATCH[kind]) == 0
+    variant = _mm.plan(rows, out_features, path, vec_x, grouped)
+    group_shift = _mm.group_shift(group_size, _mm.PER_WORD[kind])
+    kernel = _mm.matmul_kernel(kind, variant, grouped, group_shift >= 0)
+    grid, block = _mm.launch_shape(rows, out_features, variant)
+    group_words = max(1, group_size // _mm.PER_WORD[kind])
+    args = (x, w, scales, biases, group_shift, group_words, expert_ids, out)
+    _go(kernel, grid, block, stream, *args)
+
+
+def _address(array) -> int:  # noqa: ANN001
+    """Address of the first element (device arrays, or NumPy arrays under the simulator)."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is not None:
+        return int(interface["data"][0])
+    return int(array.ctypes.data)
 
 
 def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None) -> None:  # noqa: ANN001

@@ -6,151 +6,418 @@ half), affine 4-bit (8 codes, LSB first) and 8-bit (4 codes). Every array carrie
 expert axis `[E, out, ...]` (E = 1 for a plain linear); `grouped` kernels pick the expert of
 each row from `expert_ids` (MoE dispatch without a host round trip).
 
-Reduction order of out[r, o] (the same in every kernel below, so the few-rows path and the
-many-rows path give bit-identical rows, and neither depends on the batch):
+Reduction order of out[r, o] (the same in every variant below, so a row's bits do not depend
+on the rows sharing the launch, the rows per block, the features per warp or the path):
   lane l of one warp takes words l, l+32, l+64, ... of row o in ascending order and, inside
   a word, elements j = 0..per_word-1: acc = fma(x[r, k], w(o, k), acc), k = word*per_word + j;
   then a butterfly sum over the 32 lanes (offsets 16, 8, 4, 2, 1).
-  Affine dequantization: w(o, k) = fma(float(q), scale, bias).
+  Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see _decode_affine).
 
-Launch: block MATMUL_THREADS (4 warps; 2 in the simulator, each warp COLS_PER_WARP output columns), grid
-(ceil(out_f / (4 * COLS_PER_WARP)), ceil(rows / rows_tile)). Each step, the block stages the
-x slice of its rows for 32 words in shared memory ([rows_tile][per_word][32], lane-minor so
-reads are conflict-free), then every warp reads 32 coalesced words per column.
-- few-rows path (decode, memory bound): rows_tile = 1.
-- many-rows path (prompt steps): rows_tile = MANY_ROWS_TILE; each weight word is decoded
-  once and used for 8 rows.
+Work split (a `Variant`): a block of WARPS_PER_BLOCK warps; each warp owns `feats` output
+features and the block's `rows_tile` rows, so every weight word is loaded once (coalesced:
+one 128-byte line per warp load), dequantized once and used for all rows from registers.
+Each lane keeps `unroll * feats` words (and their scales) in flight: the next step's words
+are loaded before the current step is computed (a register double buffer), with no shared
+memory and no barrier in the loop. x is read through the L1 cache (16-byte loads), where all
+warps of the SM share it. Grid: (row tiles, feature blocks), row tiles fastest, so the
+blocks that share weights run together and the weights come from HBM once.
+- few-rows path (decode): rows_tile = next power of two >= rows (<= FEW_ROWS_MAX);
+- many-rows path (prompt steps): rows_tile = MANY_ROWS_TILE, more features per warp.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from cuda_kernels.convert import f32_from_bits
 from cuda_kernels.env import SIMULATOR, cuda, warp_sum
 
 WARPS_PER_BLOCK = 2 if SIMULATOR else 4  # fewer Python threads in the simulator
 MATMUL_THREADS = 32 * WARPS_PER_BLOCK
-COLS_PER_WARP = 2
-COLS_PER_BLOCK = WARPS_PER_BLOCK * COLS_PER_WARP
+FEW_ROWS_MAX = 8
 MANY_ROWS_TILE = 8
 PER_WORD = {"f32": 1, "bf16": 2, "q8": 4, "q4": 8}
+X_BATCH = {"f32": 1, "bf16": 2, "q8": 4, "q4": 4}  # x floats read by one load
+_MAGIC = 0x4B000000  # bits of 2**23: OR-ing a mantissa m < 2**23 in gives 2**23 + m exactly
+_TWO_23 = np.float32(8388608.0)
+_REF = object if SIMULATOR else np.int64  # a row reference: a view, or an address
 
 
-@cuda.jit(device=True)
-def _decode_f32(word, j, scale, bias):  # noqa: ANN001, ANN201
-    return word
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """Compile-time shape of one matmul kernel; none of it changes a row's bits."""
+
+    rows_tile: int  # rows per block
+    feats: int  # output features per warp
+    unroll: int  # words per lane and feature loaded ahead (per step)
+    vec_x: bool  # x rows 16-byte aligned: vector loads of x
 
 
-@cuda.jit(device=True)
-def _decode_bf16(word, j, scale, bias):  # noqa: ANN001, ANN201
-    bits = np.int64(word)
-    if j == 0:
-        return f32_from_bits((bits & 0xFFFF) << 16)
-    return f32_from_bits(bits & 0xFFFF0000)
+# Memory access through "row references": the address of a row's first element on the GPU
+# (so loads are base + constant offsets, no index arithmetic in the loop), a row view under
+# the simulator. Loads of weights and scales use the read-only path and skip L1 (streamed
+# once; L1 is left to x, which every warp of the SM reads).
+if SIMULATOR:
 
-
-@cuda.jit(device=True)
-def _decode_q8(word, j, scale, bias):  # noqa: ANN001, ANN201
-    q = (np.int64(word) >> (8 * j)) & 0xFF
-    return cuda.fma(np.float32(q), scale, bias)
-
-
-@cuda.jit(device=True)
-def _decode_q4(word, j, scale, bias):  # noqa: ANN001, ANN201
-    q = (np.int64(word) >> (4 * j)) & 0xF
-    return cuda.fma(np.float32(q), scale, bias)
-
-
-_DECODERS = {"f32": _decode_f32, "bf16": _decode_bf16, "q8": _decode_q8, "q4": _decode_q4}
-
-
-def _make_stage(rows_tile: int, per_word: int):  # noqa: ANN202
     @cuda.jit(device=True)
-    def stage(x, xs, row0, base_word):  # noqa: ANN001, ANN202
-        # xs[r, j, l] = x[row0 + r, (base_word + l) * per_word + j]; zero outside x.
-        rows, in_features = x.shape[0], x.shape[1]
-        span = per_word * 32
-        for t in range(cuda.threadIdx.x, rows_tile * span, MATMUL_THREADS):
-            r = t // span
-            rem = t % span
-            k = base_word * per_word + rem
-            val = np.float32(0.0)
-            if row0 + r < rows and k < in_features:
-                val = x[row0 + r, k]
-            xs[r, rem % per_word, rem // per_word] = val
+    def _row3(a, i, j):  # noqa: ANN001, ANN202
+        return a[i, j]
 
-    return stage
+    @cuda.jit(device=True)
+    def _row2(a, i):  # noqa: ANN001, ANN202
+        return a[i]
+
+    @cuda.jit(device=True)
+    def _ld_u32(row, i):  # noqa: ANN001, ANN202
+        return row[i : i + 1].view(np.uint32)[0]  # the bits, also of a float32 row
+
+    @cuda.jit(device=True)
+    def _ld_f32(row, i):  # noqa: ANN001, ANN202
+        return np.float32(row[i])
+
+    @cuda.jit(device=True)
+    def _ld_f32x4(row, i):  # noqa: ANN001, ANN202
+        return row[i], row[i + 1], row[i + 2], row[i + 3]
+
+    @cuda.jit(device=True)
+    def _ld_f32x2(row, i):  # noqa: ANN001, ANN202
+        return row[i], row[i + 1]
+
+    @cuda.jit(device=True)
+    def _prefetch_l1(row, i):  # noqa: ANN001, ANN202
+        pass
+
+    @cuda.jit(device=True)
+    def _bits_f32(u):  # noqa: ANN001, ANN202
+        return np.array(int(u) & 0xFFFFFFFF, np.uint32).view(np.float32)[()]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _row_codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        # Address (int64) of a[index..., 0]; the launcher checked every index.
+        ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+        pairs = zip(args[1:], sig.args[1:], strict=True)
+        inds = [context.cast(builder, v, t, types.intp) for v, t in pairs]
+        inds.append(context.get_constant(types.intp, 0))
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, inds)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    @intrinsic
+    def _row3(typingctx, a, i, j):  # noqa: ANN001, ANN202
+        return types.int64(a, i, j), _row_codegen
+
+    @intrinsic
+    def _row2(typingctx, a, i):  # noqa: ANN001, ANN202
+        return types.int64(a, i), _row_codegen
+
+    def _address(builder, row, i):  # noqa: ANN001, ANN202
+        return builder.add(row, builder.shl(i, ir.Constant(ir.IntType(64), 2)))
+
+    def _asm_load(ptx: str, count: int, reg: str, ret_type):  # noqa: ANN001, ANN202
+        """An intrinsic load(row, i) of `count` 32-bit values at element i of the row."""
+        @intrinsic
+        def load(typingctx, row, i):  # noqa: ANN001, ANN202
+            def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+                i64 = context.cast(builder, args[1], sig.args[1], types.int64)
+                addr = _address(builder, args[0], i64)
+                elem = ir.IntType(32) if reg == "r" else ir.FloatType()
+                out = elem if count == 1 else ir.LiteralStructType([elem] * count)
+                regs = ", ".join(f"${n}" for n in range(count))
+                text = f"{ptx} {regs if count == 1 else '{' + regs + '}'}, [${count}];"
+                asm = ir.InlineAsm(ir.FunctionType(out, [addr.type]), text,
+                                   ",".join([f"={reg}"] * count + ["l"]))
+                res = builder.call(asm, [addr])
+                if count == 1:
+                    return res
+                vals = [builder.extract_value(res, n) for n in range(count)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return ret_type(row, i), codegen
+
+        return load
+
+    _ld_u32 = _asm_load("ld.global.nc.L1::no_allocate.u32", 1, "r", types.uint32)
+    _ld_f32 = _asm_load("ld.global.nc.L1::no_allocate.f32", 1, "f", types.float32)
+    _ld_f32x4 = _asm_load("ld.global.nc.v4.f32", 4, "f", types.UniTuple(types.float32, 4))
+    _ld_f32x2 = _asm_load("ld.global.nc.v2.f32", 2, "f", types.UniTuple(types.float32, 2))
+
+    @intrinsic
+    def _prefetch_l1(typingctx, row, i):  # noqa: ANN001, ANN202
+        """Bring the line of element i of the row into L1 (no register, no wait)."""
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            addr = _address(builder, args[0], context.cast(builder, args[1], sig.args[1], types.int64))
+            fnty = ir.FunctionType(ir.VoidType(), [addr.type])
+            builder.call(ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True), [addr])
+            return context.get_dummy_value()
+
+        return types.void(row, i), codegen
+
+    @intrinsic
+    def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202
+        """The float32 whose bits are the low 32 bits of integer u."""
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            val, i32 = args[0], ir.IntType(32)
+            if val.type.width > 32:
+                val = builder.trunc(val, i32)
+            elif val.type.width < 32:
+                val = builder.zext(val, i32)
+            return builder.bitcast(val, ir.FloatType())
+
+        return types.float32(u), codegen
 
 
-def _make_kernel(kind: str, rows_tile: int, grouped: bool):  # noqa: ANN202
-    per_word = PER_WORD[kind]
-    decode = _DECODERS[kind]
-    stage = _make_stage(rows_tile, per_word)
-    num_acc = rows_tile * COLS_PER_WARP
+# ---------------------------------------------------------------- decoding one element
+
+
+def _make_decoder(kind: str):  # noqa: ANN202
+    """decode(word, j, scale, bias) -> float32 value of element j of `word`; j is a
+    compile-time constant once the caller's loops are unrolled."""
+    if kind == "f32":
+
+        @cuda.jit(device=True)
+        def decode_f32(word, j, scale, bias):  # noqa: ANN001, ANN202
+            return _bits_f32(word)
+
+        return decode_f32
+    if kind == "bf16":
+
+        @cuda.jit(device=True)
+        def decode_bf16(word, j, scale, bias):  # noqa: ANN001, ANN202
+            if j == 0:
+                return _bits_f32(np.uint32(word) << np.uint32(16))
+            return _bits_f32(np.uint32(word) & np.uint32(0xFFFF0000))
+
+        return decode_bf16
+    return _make_affine_decoder(32 // PER_WORD[kind])
+
+
+def _make_affine_decoder(bits: int):  # noqa: ANN202
+    # Element j sits in half j // per_half of the word at bit bits*m, m = j % per_half. OR-ing
+    # it (unshifted) into the mantissa of 2**23 and subtracting 2**23 gives q * 2**(bits*m)
+    # exactly; scale * 2**-(bits*m) is exact too, so the fma rounds q*scale + bias once,
+    # exactly as fma(float(q), scale, bias). No shift and no int->float per element.
+    per_half = 16 // bits
+    mask = (1 << bits) - 1
+
+    @cuda.jit(device=True)
+    def decode_affine(word, j, scale, bias):  # noqa: ANN001, ANN202
+        m = j % per_half
+        half = np.uint32(word) >> np.uint32(16 * (j // per_half))
+        field = half & np.uint32(mask << (bits * m))
+        value = _bits_f32(field | np.uint32(_MAGIC)) - _TWO_23
+        step = _bits_f32(np.uint32((127 - bits * m) << 23))  # 2**-(bits*m)
+        return cuda.fma(value, scale * step, bias)
+
+    return decode_affine
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+def _make_x_loader(xb: int, vec_x: bool):  # noqa: ANN202
+    """load(x_row, k, xv): xv[0:xb] = x[row, k : k + xb]."""
+    if vec_x and xb == 4:
+
+        @cuda.jit(device=True)
+        def load4(x_row, k, xv):  # noqa: ANN001, ANN202
+            xv[0], xv[1], xv[2], xv[3] = _ld_f32x4(x_row, k)
+
+        return load4
+    if vec_x and xb == 2:
+
+        @cuda.jit(device=True)
+        def load2(x_row, k, xv):  # noqa: ANN001, ANN202
+            xv[0], xv[1] = _ld_f32x2(x_row, k)
+
+        return load2
+
+    @cuda.jit(device=True)
+    def load_scalar(x_row, k, xv):  # noqa: ANN001, ANN202
+        for i in range(xb):
+            xv[i] = _ld_f32(x_row, k + i)
+
+    return load_scalar
+
+
+def _make_fetch(variant: Variant):  # noqa: ANN202
+    unroll, feats = variant.unroll, variant.feats
+
+    @cuda.jit(device=True)
+    def fetch(w_rows, first_word, words, wb):  # noqa: ANN001, ANN202
+        # wb[u * feats + f] = word first_word + 32u of feature f, for the words that exist.
+        for u in range(unroll):
+            if first_word + 32 * u < words:
+                for f in range(feats):
+                    wb[u * feats + f] = _ld_u32(w_rows[f], first_word + 32 * u)
+
+    return fetch
+
+
+def _make_refs(variant: Variant, affine: bool):  # noqa: ANN202
+    rows_tile, feats = variant.rows_tile, variant.feats
+
+    @cuda.jit(device=True)
+    def refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows):  # noqa: ANN001, ANN202, E501
+        # Row references of the block's rows and the warp's features (clamped: rows and
+        # features past the end are computed on a copy of the last one and not stored).
+        for r in range(rows_tile):
+            x_rows[r] = _row2(x, min(row0 + r, x.shape[0] - 1))
+        for f in range(feats):
+            feat = min(feat0 + f, w.shape[1] - 1)
+            w_rows[f] = _row3(w, expert, feat)
+            if affine:
+                s_rows[f], b_rows[f] = _row3(scales, expert, feat), _row3(biases, expert, feat)
+
+    return refs
+
+
+def _make_prefetch_scales(feats: int):  # noqa: ANN202
+    @cuda.jit(device=True)
+    def prefetch_scales(s_rows, b_rows, groups, lane):  # noqa: ANN001, ANN202
+        # The warp's scale and bias rows into L1 once (a few hundred bytes a row), so the
+        # per-word scale loads of the loop hit L1 instead of waiting on HBM.
+        for f in range(feats):
+            for g in range(32 * lane, groups + 31, 32 * 32):  # one point per 128 bytes
+                _prefetch_l1(s_rows[f], min(g, groups - 1))
+                _prefetch_l1(b_rows[f], min(g, groups - 1))
+
+    return prefetch_scales
+
+
+def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
+    per_word, xb = PER_WORD[kind], X_BATCH[kind]
+    rows_tile, feats = variant.rows_tile, variant.feats
     affine = kind in ("q4", "q8")
+    decode = _make_decoder(kind)
+    load_x = _make_x_loader(xb, variant.vec_x)
+
+    @cuda.jit(device=True)
+    def word_step(x_rows, s_rows, b_rows, word, group, cw, wd, sv, xv, acc):  # noqa: ANN001, ANN202
+        # The elements of `word` (cw[f]: its bits for feature f): decode xb elements of
+        # every feature once, then one fma per row and feature, elements ascending.
+        for f in range(feats):
+            if affine:
+                sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
+        for h in range(per_word // xb):
+            for f in range(feats):
+                for i in range(xb):
+                    wd[f * xb + i] = decode(cw[f], h * xb + i, sv[2 * f], sv[2 * f + 1])
+            for r in range(rows_tile):
+                load_x(x_rows[r], word * per_word + h * xb, xv)
+                for i in range(xb):
+                    for f in range(feats):
+                        a = r * feats + f
+                        acc[a] = cuda.fma(xv[i], wd[f * xb + i], acc[a])
+
+    return word_step
+
+
+def _make_store(variant: Variant):  # noqa: ANN202
+    rows_tile, feats = variant.rows_tile, variant.feats
+
+    @cuda.jit(device=True)
+    def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
+        for r in range(rows_tile):
+            for f in range(feats):
+                total = warp_sum(acc[r * feats + f])  # every lane: uniform flow
+                if lane == 0 and row0 + r < out.shape[0] and feat0 + f < out.shape[1]:
+                    out[row0 + r, feat0 + f] = total
+
+    return store
+
+
+def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):  # noqa: ANN202
+    xb = X_BATCH[kind]
+    rows_tile, feats, unroll = variant.rows_tile, variant.feats, variant.unroll
+    affine = kind in ("q4", "q8")
+    slots, num_acc, num_wd, num_sv = unroll * feats, rows_tile * feats, feats * xb, 2 * feats
+    fetch, word_step, refs = _make_fetch(variant), _make_word_step(kind, variant), _make_refs(variant, affine)
+    prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant)
 
     @cuda.jit
-    def kernel(x, w, scales, biases, group_size, expert_ids, out):  # noqa: ANN001, ANN202
-        # x: [rows, in] f32; w: [E, out_f, words]; scales/biases: [E, out_f, groups];
-        # expert_ids: [rows] i32 (grouped only); out: [rows, out_f] f32
-        xs = cuda.shared.array((rows_tile, per_word, 32), np.float32)
-        acc = cuda.local.array(num_acc, np.float32)
+    def kernel(x, w, scales, biases, group_shift, group_words, expert_ids, out):  # noqa: ANN001, ANN202
+        # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
+        # [E, out_f, groups] (affine; else [1, 1, 1]); the group of word i is
+        # i >> group_shift (pow2_groups) else i // group_words;
+        # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32
         lane = cuda.threadIdx.x % 32
-        col0 = cuda.blockIdx.x * COLS_PER_BLOCK + (cuda.threadIdx.x // 32) * COLS_PER_WARP
-        row0 = cuda.blockIdx.y * rows_tile
-        out_f, words = w.shape[1], w.shape[2]
+        feat0 = (cuda.blockIdx.y * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * feats
+        row0 = cuda.blockIdx.x * rows_tile
         expert = expert_ids[row0] if grouped else 0
+        x_rows = cuda.local.array(rows_tile, _REF)
+        w_rows = cuda.local.array(feats, _REF)
+        s_rows = cuda.local.array(feats, _REF)
+        b_rows = cuda.local.array(feats, _REF)
+        refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows)
+        acc = cuda.local.array(num_acc, np.float32)
         for a in range(num_acc):
             acc[a] = np.float32(0.0)
-        for base_word in range(0, words, 32):
-            stage(x, xs, row0, base_word)
-            cuda.syncthreads()
-            word_id = base_word + lane
-            for c in range(COLS_PER_WARP):
-                col = col0 + c
-                if col < out_f and word_id < words:
-                    word = w[expert, col, word_id]
-                    scale = np.float32(0.0)
-                    bias = np.float32(0.0)
-                    if affine:
-                        g = (word_id * per_word) // group_size
-                        scale = scales[expert, col, g]
-                        bias = biases[expert, col, g]
-                    for j in range(per_word):
-                        wv = decode(word, j, scale, bias)
-                        for r in range(rows_tile):
-                            a = r * COLS_PER_WARP + c
-                            acc[a] = cuda.fma(xs[r, j, lane], wv, acc[a])
-            cuda.syncthreads()
-        for r in range(rows_tile):
-            for c in range(COLS_PER_WARP):
-                total = warp_sum(acc[r * COLS_PER_WARP + c])
-                if lane == 0 and row0 + r < out.shape[0] and col0 + c < out_f:
-                    out[row0 + r, col0 + c] = total
+        wb = cuda.local.array(slots, np.uint32)  # the next step's words, in flight
+        cw = cuda.local.array(slots, np.uint32)  # this step's words
+        wd = cuda.local.array(num_wd, np.float32)
+        sv = cuda.local.array(num_sv, np.float32)
+        xv = cuda.local.array(xb, np.float32)
+        words = w.shape[2]
+        fetch(w_rows, lane, words, wb)
+        if affine:
+            prefetch_scales(s_rows, b_rows, scales.shape[2], lane)
+        for base in range(lane, words, 32 * unroll):
+            for s in range(slots):
+                cw[s] = wb[s]
+            fetch(w_rows, base + 32 * unroll, words, wb)
+            for u in range(unroll):
+                word = base + 32 * u
+                if word < words:
+                    group = word >> group_shift if pow2_groups else word // group_words
+                    word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], wd, sv, xv, acc)
+        store(acc, row0, feat0, lane, out)
 
     return kernel
 
 
-_KERNELS: dict[tuple[str, int, bool], object] = {}
+_KERNELS: dict[tuple[str, Variant, bool, bool], object] = {}
 
 
-def matmul_kernel(kind: str, rows_tile: int, grouped: bool = False):  # noqa: ANN201
-    """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4'), `rows_tile` (1 = few-rows
-    path, MANY_ROWS_TILE = many-rows path) and `grouped` (rows_tile must be 1)."""
-    if grouped and rows_tile != 1:
+def matmul_kernel(kind: str, variant: Variant, grouped: bool = False, pow2_groups: bool = True):  # noqa: ANN201, E501
+    """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4') and `variant`; grouped
+    (MoE: each row's own expert) needs rows_tile 1; pow2_groups: see group_shift."""
+    if grouped and variant.rows_tile != 1:
         raise ValueError("grouped (MoE) matmul runs one row per block")
-    key = (kind, rows_tile, grouped)
+    key = (kind, variant, grouped, pow2_groups)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, rows_tile, grouped)
+        _KERNELS[key] = _make_kernel(kind, variant, grouped, pow2_groups)
     return _KERNELS[key]
 
 
-def launch_shape(rows: int, out_features: int, rows_tile: int) -> tuple[tuple[int, int], int]:
-    """(grid, block) for a matmul kernel."""
-    grid_x = (out_features + COLS_PER_BLOCK - 1) // COLS_PER_BLOCK
-    grid_y = (rows + rows_tile - 1) // rows_tile
-    return (grid_x, grid_y), MATMUL_THREADS
+def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = False) -> Variant:
+    """The variant for a launch: 'few' (rows <= FEW_ROWS_MAX) or 'many'. Narrow outputs get
+    fewer features per warp so that the grid still covers the GPU."""
+    if path == "many":
+        return Variant(MANY_ROWS_TILE, 8, 1, vec_x)
+    rows_tile = 1
+    while rows_tile < min(rows, FEW_ROWS_MAX) and not grouped:
+        rows_tile *= 2
+    feats = 4 if out_features >= 4096 else 2
+    return Variant(rows_tile, feats, 4 if rows_tile <= 2 else 2, vec_x)
+
+
+def launch_shape(rows: int, out_features: int, variant: Variant) -> tuple[tuple[int, int], int]:
+    """(grid, block) for a matmul kernel: grid (row tiles, feature blocks)."""
+    per_block = WARPS_PER_BLOCK * variant.feats
+    grid_rows = (rows + variant.rows_tile - 1) // variant.rows_tile
+    return (grid_rows, (out_features + per_block - 1) // per_block), MATMUL_THREADS
+
+
+def group_shift(group_size: int, per_word: int) -> int:
+    """log2 of the words per scale group, or -1 when that is not a power of two (GGUF 32
+    and MLX 32/64/128 are; others take the slower division kernel)."""
+    group_words = max(1, group_size // per_word)
+    return group_words.bit_length() - 1 if group_words & (group_words - 1) == 0 else -1
 
 
 @cuda.jit

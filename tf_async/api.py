@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import random
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,9 @@ from .engine.build import EngineParts, build_engine
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
+
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def _check(cond: bool, message: str, param: str) -> None:
@@ -139,6 +143,9 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Engine:
         if self.parts is None:
+            # The engine thread re-takes the GIL after every kernel; with the default 5 ms switch
+            # interval it can wait that long behind a busy event loop, once per kernel.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._loop = asyncio.get_running_loop()
             self.parts = await asyncio.to_thread(build_engine, self.options, self._publish)
             self.parts.core.start()

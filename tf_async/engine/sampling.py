@@ -51,18 +51,28 @@ def sample_token(logits: np.ndarray, params: SamplingParams, seed: int, pos: int
     if params.temperature == 0.0 or params.top_k == 1:
         return int(np.argmax(logits))
     x = logits.astype(np.float64) / params.temperature
-    order = np.argsort(-x, kind="stable")
-    if params.top_k > 0:
-        order = order[: params.top_k]
+    order = _candidates(x, params)
     xs = x[order]
-    probs = np.exp(xs - xs[0])
+    probs = np.exp(xs - xs.max())
     probs /= probs.sum()
     keep = len(probs)
     if params.top_p < 1.0:
         keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
     if params.min_p > 0.0:
         keep = min(keep, max(1, int(np.count_nonzero(probs >= params.min_p * probs[0]))))
-    probs = probs[:keep] / probs[:keep].sum()
-    u = uniform_at(seed, pos)
-    index = min(int(np.searchsorted(np.cumsum(probs), u, side="right")), keep - 1)
-    return int(order[index])
+    cdf = np.cumsum(probs[:keep])
+    index = int(np.searchsorted(cdf, uniform_at(seed, pos) * cdf[-1], side="right"))
+    return int(order[min(index, keep - 1)])
+
+
+def _candidates(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Token ids to sample from, in descending logit order (ties: lower id first) where a
+    truncation needs the order; plain temperature sampling needs no sort at all."""
+    if params.top_k > 0:
+        part = np.argpartition(-x, min(params.top_k, len(x) - 1))[: params.top_k]
+        return part[np.lexsort((part, -x[part]))]
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        # Tokens more than 40 nats below the best hold < 5e-18 of the mass each: never kept.
+        near = np.flatnonzero(x >= x.max() - 40.0)
+        return near[np.lexsort((near, -x[near]))]
+    return np.arange(len(x))
