@@ -144,6 +144,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _median_run(results: list[RunResult]) -> RunResult:
+    return sorted(results, key=lambda r: r.tokens_per_s)[len(results) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -152,22 +156,27 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    inproc = asyncio.run(run_inprocess(args))
     proc, url = start_server(args)
-    try:
-        sse = asyncio.run(run_sse(args, url))
+    runs: list[tuple[list[RunResult], list[RunResult]]] = []
+    try:  # in-process and SSE alternate in every repeat; the tables use the median repeat
+        for _ in range(args.repeats):
+            runs.append((asyncio.run(run_inprocess(args)), asyncio.run(run_sse(args, url))))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    inproc = [_median_run([r[0][i] for r in runs]) for i in range(len(args.clients))]
+    sse = [_median_run([r[1][i] for r in runs]) for i in range(len(args.clients))]
     print("| path | clients | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | tok/s |")
     print("|---|---|---|---|---|---|---|")
     for a, b in zip(inproc, sse, strict=True):
         print(a.row("in-process"))
         print(b.row("SSE"))
     for a, b in zip(inproc, sse, strict=True):
-        overhead = 1.0 - b.tokens_per_s / a.tokens_per_s
-        print(f"server overhead at {a.clients} clients: {100 * overhead:+.1f}% per token")
+        overhead = a.tokens_per_s / b.tokens_per_s - 1.0  # extra time per token over SSE
+        print(f"server overhead at {a.clients} clients: {100 * overhead:+.1f}% per token "
+              f"(median of {args.repeats} alternating repeats)")
 
 
 if __name__ == "__main__":

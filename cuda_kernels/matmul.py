@@ -11,7 +11,8 @@ on the rows sharing the launch, the rows per block, the features per warp or the
   lane l of one warp takes words l, l+32, l+64, ... of row o in ascending order and, inside
   a word, elements j = 0..per_word-1: acc = fma(x[r, k], w(o, k), acc), k = word*per_word + j;
   then a butterfly sum over the 32 lanes (offsets 16, 8, 4, 2, 1).
-  Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see _decode_affine).
+  Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see
+  _make_affine_decoder).
 
 Work split (a `Variant`): a block of WARPS_PER_BLOCK warps; each warp owns `feats` output
 features and the block's `rows_tile` rows, so every weight word is loaded once (coalesced:
@@ -39,8 +40,6 @@ FEW_ROWS_MAX = 8
 MANY_ROWS_TILE = 8
 PER_WORD = {"f32": 1, "bf16": 2, "q8": 4, "q4": 8}
 X_BATCH = {"f32": 1, "bf16": 2, "q8": 4, "q4": 4}  # x floats read by one load
-_MAGIC = 0x4B000000  # bits of 2**23: OR-ing a mantissa m < 2**23 in gives 2**23 + m exactly
-_TWO_23 = np.float32(8388608.0)
 _REF = object if SIMULATOR else np.int64  # a row reference: a view, or an address
 
 
@@ -175,45 +174,49 @@ else:
 
 
 def _make_decoder(kind: str):  # noqa: ANN202
-    """decode(word, j, scale, bias) -> float32 value of element j of `word`; j is a
-    compile-time constant once the caller's loops are unrolled."""
+    """(split, decode): split(word) -> (lo, hi), the word's two 16-bit halves prepared once;
+    decode(half, m, scale, bias) -> float32 value of element m of that half (m is a
+    compile-time constant once the caller's loops are unrolled)."""
     if kind == "f32":
 
         @cuda.jit(device=True)
-        def decode_f32(word, j, scale, bias):  # noqa: ANN001, ANN202
-            return _bits_f32(word)
+        def split_f32(word):  # noqa: ANN001, ANN202
+            return word, word
 
-        return decode_f32
+        @cuda.jit(device=True)
+        def decode_bits(half, m, scale, bias):  # noqa: ANN001, ANN202
+            return _bits_f32(half)
+
+        return split_f32, decode_bits
     if kind == "bf16":
 
         @cuda.jit(device=True)
-        def decode_bf16(word, j, scale, bias):  # noqa: ANN001, ANN202
-            if j == 0:
-                return _bits_f32(np.uint32(word) << np.uint32(16))
-            return _bits_f32(np.uint32(word) & np.uint32(0xFFFF0000))
+        def split_bf16(word):  # noqa: ANN001, ANN202
+            return np.uint32(word) << np.uint32(16), np.uint32(word) & np.uint32(0xFFFF0000)
 
-        return decode_bf16
+        return split_bf16, decode_bits
     return _make_affine_decoder(32 // PER_WORD[kind])
 
 
 def _make_affine_decoder(bits: int):  # noqa: ANN202
-    # Element j sits in half j // per_half of the word at bit bits*m, m = j % per_half. OR-ing
-    # it (unshifted) into the mantissa of 2**23 and subtracting 2**23 gives q * 2**(bits*m)
-    # exactly; scale * 2**-(bits*m) is exact too, so the fma rounds q*scale + bias once,
-    # exactly as fma(float(q), scale, bias). No shift and no int->float per element.
-    per_half = 16 // bits
+    # Each half, its 16 bits in the mantissa of a float with every exponent bit set. Element
+    # m (a code q at bit bits*m) is then one AND away from the float 2**e + q, where
+    # e = 23 - bits*m: keep the code's bits and exponent 127 + e. Subtracting 2**e gives q
+    # exactly, and fma(q, scale, bias) follows: one logic op and one add an element, no
+    # shift and no int->float conversion.
     mask = (1 << bits) - 1
 
     @cuda.jit(device=True)
-    def decode_affine(word, j, scale, bias):  # noqa: ANN001, ANN202
-        m = j % per_half
-        half = np.uint32(word) >> np.uint32(16 * (j // per_half))
-        field = half & np.uint32(mask << (bits * m))
-        value = _bits_f32(field | np.uint32(_MAGIC)) - _TWO_23
-        step = _bits_f32(np.uint32((127 - bits * m) << 23))  # 2**-(bits*m)
-        return cuda.fma(value, scale * step, bias)
+    def split_affine(word):  # noqa: ANN001, ANN202
+        return word | np.uint32(0x7F800000), (word >> np.uint32(16)) | np.uint32(0x7F800000)
 
-    return decode_affine
+    @cuda.jit(device=True)
+    def decode_affine(half, m, scale, bias):  # noqa: ANN001, ANN202
+        exponent = np.uint32((150 - bits * m) << 23)  # the bits of 2**(23 - bits*m)
+        field = half & (exponent | np.uint32(mask << (bits * m)))
+        return cuda.fma(_bits_f32(field) - _bits_f32(exponent), scale, bias)
+
+    return split_affine, decode_affine
 
 
 # ---------------------------------------------------------------- the kernel
@@ -249,11 +252,17 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
 
     @cuda.jit(device=True)
     def fetch(w_rows, first_word, words, wb):  # noqa: ANN001, ANN202
-        # wb[u * feats + f] = word first_word + 32u of feature f, for the words that exist.
-        for u in range(unroll):
-            if first_word + 32 * u < words:
+        # wb[u * feats + f] = word first_word + 32u of feature f, for the words that exist;
+        # one test for a whole step in the common case, so the loads take immediate offsets.
+        if first_word + 32 * (unroll - 1) < words:
+            for u in range(unroll):
                 for f in range(feats):
                     wb[u * feats + f] = _ld_u32(w_rows[f], first_word + 32 * u)
+        else:
+            for u in range(unroll):
+                if first_word + 32 * u < words:
+                    for f in range(feats):
+                        wb[u * feats + f] = _ld_u32(w_rows[f], first_word + 32 * u)
 
     return fetch
 
@@ -291,22 +300,26 @@ def _make_prefetch_scales(feats: int):  # noqa: ANN202
 
 def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
     per_word, xb = PER_WORD[kind], X_BATCH[kind]
+    per_half = max(1, per_word // 2)
     rows_tile, feats = variant.rows_tile, variant.feats
     affine = kind in ("q4", "q8")
-    decode = _make_decoder(kind)
+    split, decode = _make_decoder(kind)
     load_x = _make_x_loader(xb, variant.vec_x)
 
     @cuda.jit(device=True)
-    def word_step(x_rows, s_rows, b_rows, word, group, cw, wd, sv, xv, acc):  # noqa: ANN001, ANN202
+    def word_step(x_rows, s_rows, b_rows, word, group, cw, halves, wd, sv, xv, acc):  # noqa: ANN001, ANN202, E501
         # The elements of `word` (cw[f]: its bits for feature f): decode xb elements of
         # every feature once, then one fma per row and feature, elements ascending.
         for f in range(feats):
             if affine:
                 sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
+            halves[2 * f], halves[2 * f + 1] = split(cw[f])
         for h in range(per_word // xb):
             for f in range(feats):
                 for i in range(xb):
-                    wd[f * xb + i] = decode(cw[f], h * xb + i, sv[2 * f], sv[2 * f + 1])
+                    j = h * xb + i
+                    half = halves[2 * f + j // per_half]
+                    wd[f * xb + i] = decode(half, j % per_half, sv[2 * f], sv[2 * f + 1])
             for r in range(rows_tile):
                 load_x(x_rows[r], word * per_word + h * xb, xv)
                 for i in range(xb):
@@ -361,6 +374,7 @@ def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):
         cw = cuda.local.array(slots, np.uint32)  # this step's words
         wd = cuda.local.array(num_wd, np.float32)
         sv = cuda.local.array(num_sv, np.float32)
+        halves = cuda.local.array(num_sv, np.uint32)
         xv = cuda.local.array(xb, np.float32)
         words = w.shape[2]
         fetch(w_rows, lane, words, wb)
@@ -370,11 +384,18 @@ def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):
             for s in range(slots):
                 cw[s] = wb[s]
             fetch(w_rows, base + 32 * unroll, words, wb)
-            for u in range(unroll):
-                word = base + 32 * u
-                if word < words:
+            if base + 32 * (unroll - 1) < words:  # a full step
+                for u in range(unroll):
+                    word = base + 32 * u
                     group = word >> group_shift if pow2_groups else word // group_words
-                    word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], wd, sv, xv, acc)
+                    word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], halves, wd, sv, xv, acc)
+            else:
+                for u in range(unroll):
+                    word = base + 32 * u
+                    if word < words:
+                        group = word >> group_shift if pow2_groups else word // group_words
+                        word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], halves,
+                                  wd, sv, xv, acc)
         store(acc, row0, feat0, lane, out)
 
     return kernel
