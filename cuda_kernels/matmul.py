@@ -36,8 +36,8 @@ from cuda_kernels.env import SIMULATOR, cuda, warp_sum
 
 WARPS_PER_BLOCK = 2 if SIMULATOR else 4  # fewer Python threads in the simulator
 MATMUL_THREADS = 32 * WARPS_PER_BLOCK
-FEW_ROWS_MAX = 8
-MANY_ROWS_TILE = 8
+FEW_ROWS_MAX = 2  # more rows per launch: the many-rows variant
+MANY_ROWS_TILE = 4
 PER_WORD = {"f32": 1, "bf16": 2, "q8": 4, "q4": 8}
 X_BATCH = {"f32": 1, "bf16": 2, "q8": 4, "q4": 4}  # x floats read by one load
 _REF = object if SIMULATOR else np.int64  # a row reference: a view, or an address
@@ -307,9 +307,10 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
     load_x = _make_x_loader(xb, variant.vec_x)
 
     @cuda.jit(device=True)
-    def word_step(x_rows, s_rows, b_rows, word, group, cw, halves, wd, sv, xv, acc):  # noqa: ANN001, ANN202, E501
+    def word_step(x_rows, s_rows, b_rows, word, group, cw, work, acc):  # noqa: ANN001, ANN202
         # The elements of `word` (cw[f]: its bits for feature f): decode xb elements of
         # every feature once, then one fma per row and feature, elements ascending.
+        halves, wd, sv, xv = work
         for f in range(feats):
             if affine:
                 sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
@@ -344,12 +345,29 @@ def _make_store(variant: Variant):  # noqa: ANN202
     return store
 
 
+def _make_step(kind: str, variant: Variant, pow2_groups: bool):  # noqa: ANN202
+    unroll, feats = variant.unroll, variant.feats
+    word_step = _make_word_step(kind, variant)
+
+    @cuda.jit(device=True)
+    def step(x_rows, s_rows, b_rows, base, words, group_shift, group_words, cw, work, acc):  # noqa: ANN001, ANN202, E501
+        # Words base + 32u (u < unroll) of the warp's features, cw: their bits. One test
+        # for a whole step in the common case; work: (halves, wd, sv, xv) scratch.
+        full = base + 32 * (unroll - 1) < words
+        for u in range(unroll):
+            word = base + 32 * u
+            if full or word < words:
+                group = word >> group_shift if pow2_groups else word // group_words
+                word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], work, acc)
+
+    return step
+
+
 def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):  # noqa: ANN202
-    xb = X_BATCH[kind]
-    rows_tile, feats, unroll = variant.rows_tile, variant.feats, variant.unroll
+    xb, rows_tile, feats, unroll = X_BATCH[kind], variant.rows_tile, variant.feats, variant.unroll
     affine = kind in ("q4", "q8")
     slots, num_acc, num_wd, num_sv = unroll * feats, rows_tile * feats, feats * xb, 2 * feats
-    fetch, word_step, refs = _make_fetch(variant), _make_word_step(kind, variant), _make_refs(variant, affine)
+    fetch, step, refs = _make_fetch(variant), _make_step(kind, variant, pow2_groups), _make_refs(variant, affine)
     prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant)
 
     @cuda.jit
@@ -361,21 +379,19 @@ def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):
         lane = cuda.threadIdx.x % 32
         feat0 = (cuda.blockIdx.y * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * feats
         row0 = cuda.blockIdx.x * rows_tile
-        expert = expert_ids[row0] if grouped else 0
         x_rows = cuda.local.array(rows_tile, _REF)
         w_rows = cuda.local.array(feats, _REF)
         s_rows = cuda.local.array(feats, _REF)
         b_rows = cuda.local.array(feats, _REF)
+        expert = expert_ids[row0] if grouped else 0
         refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows)
         acc = cuda.local.array(num_acc, np.float32)
         for a in range(num_acc):
             acc[a] = np.float32(0.0)
         wb = cuda.local.array(slots, np.uint32)  # the next step's words, in flight
         cw = cuda.local.array(slots, np.uint32)  # this step's words
-        wd = cuda.local.array(num_wd, np.float32)
-        sv = cuda.local.array(num_sv, np.float32)
-        halves = cuda.local.array(num_sv, np.uint32)
-        xv = cuda.local.array(xb, np.float32)
+        work = (cuda.local.array(num_sv, np.uint32), cuda.local.array(num_wd, np.float32),
+                cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32))
         words = w.shape[2]
         fetch(w_rows, lane, words, wb)
         if affine:
@@ -384,18 +400,7 @@ def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):
             for s in range(slots):
                 cw[s] = wb[s]
             fetch(w_rows, base + 32 * unroll, words, wb)
-            if base + 32 * (unroll - 1) < words:  # a full step
-                for u in range(unroll):
-                    word = base + 32 * u
-                    group = word >> group_shift if pow2_groups else word // group_words
-                    word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], halves, wd, sv, xv, acc)
-            else:
-                for u in range(unroll):
-                    word = base + 32 * u
-                    if word < words:
-                        group = word >> group_shift if pow2_groups else word // group_words
-                        word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], halves,
-                                  wd, sv, xv, acc)
+            step(x_rows, s_rows, b_rows, base, words, group_shift, group_words, cw, work, acc)
         store(acc, row0, feat0, lane, out)
 
     return kernel
@@ -416,15 +421,15 @@ def matmul_kernel(kind: str, variant: Variant, grouped: bool = False, pow2_group
 
 
 def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = False) -> Variant:
-    """The variant for a launch: 'few' (rows <= FEW_ROWS_MAX) or 'many'. Narrow outputs get
-    fewer features per warp so that the grid still covers the GPU."""
-    if path == "many":
-        return Variant(MANY_ROWS_TILE, 8, 1, vec_x)
-    rows_tile = 1
-    while rows_tile < min(rows, FEW_ROWS_MAX) and not grouped:
-        rows_tile *= 2
-    feats = 4 if out_features >= 4096 else 2
-    return Variant(rows_tile, feats, 4 if rows_tile <= 2 else 2, vec_x)
+    """The variant of a launch. 'few' (decode, memory bound): 1 or 2 rows a block, 4 words
+    per feature in flight per lane. 'many': 4 rows a block and 8 features a warp, so each
+    x load (L1) feeds 32 fmas and each decoded element 4. Narrow outputs get half the
+    features per warp so that the grid still covers the GPU."""
+    wide = out_features >= 4096
+    if path == "many" and not grouped:
+        return Variant(MANY_ROWS_TILE, 8 if wide else 4, 1, vec_x)
+    rows_tile = 1 if rows <= 1 or grouped else 2
+    return Variant(rows_tile, 4 if wide else 2, 4, vec_x)
 
 
 def launch_shape(rows: int, out_features: int, variant: Variant) -> tuple[tuple[int, int], int]:
