@@ -173,28 +173,29 @@ else:
 # ---------------------------------------------------------------- decoding one element
 
 
+@cuda.jit(device=True)
+def _decode_bits(half, m, scale, bias):  # noqa: ANN001, ANN202
+    return _bits_f32(half)
+
+
+@cuda.jit(device=True)
+def _split_f32(word):  # noqa: ANN001, ANN202
+    return word, word
+
+
+@cuda.jit(device=True)
+def _split_bf16(word):  # noqa: ANN001, ANN202
+    return word << np.uint32(16), word & np.uint32(0xFFFF0000)
+
+
 def _make_decoder(kind: str):  # noqa: ANN202
     """(split, decode): split(word) -> (lo, hi), the word's two 16-bit halves prepared once;
     decode(half, m, scale, bias) -> float32 value of element m of that half (m is a
     compile-time constant once the caller's loops are unrolled)."""
     if kind == "f32":
-
-        @cuda.jit(device=True)
-        def split_f32(word):  # noqa: ANN001, ANN202
-            return word, word
-
-        @cuda.jit(device=True)
-        def decode_bits(half, m, scale, bias):  # noqa: ANN001, ANN202
-            return _bits_f32(half)
-
-        return split_f32, decode_bits
+        return _split_f32, _decode_bits
     if kind == "bf16":
-
-        @cuda.jit(device=True)
-        def split_bf16(word):  # noqa: ANN001, ANN202
-            return np.uint32(word) << np.uint32(16), np.uint32(word) & np.uint32(0xFFFF0000)
-
-        return split_bf16, decode_bits
+        return _split_bf16, _decode_bits
     return _make_affine_decoder(32 // PER_WORD[kind])
 
 

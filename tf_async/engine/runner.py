@@ -189,7 +189,15 @@ class Runner:
         put = self.ops.asarray
         return ForwardBatch(put(np.asarray(tokens, np.int64)), put(pos), put(slots), put(seq),
                             put(block_table), put(np.asarray(logit_rows, np.int64)), page_size,
-                            put(np.asarray(lanes, np.int32)))  # block-table row -> lane
+                            self._seq_lanes(lanes))
+
+
+    def _seq_lanes(self, lanes: list[int]):  # noqa: ANN202
+        """Block-table row -> lane, for models with per-lane recurrent state only (a dense
+        round without it can be replayed from a CUDA graph)."""
+        if getattr(self.decoder, "states", None) is None:
+            return None
+        return self.ops.asarray(np.asarray(lanes, np.int32))
 
 
 def _describe(exc: Exception) -> str:
