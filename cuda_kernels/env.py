@@ -58,7 +58,7 @@ cuda = _import_cuda()
 def _detect_simulator() -> bool:
     from numba import config
 
-    return bool(config.ENABLE_CUDASIM)
+    return bool(getattr(config, "ENABLE_CUDASIM", 0))
 
 
 SIMULATOR: bool = _detect_simulator()

@@ -94,7 +94,7 @@ if SIMULATOR:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
+    from numba.cuda import cgutils  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
     def _row_codegen(context, builder, sig, args):  # noqa: ANN001, ANN202

@@ -8,17 +8,15 @@ import math
 import os
 import random
 import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 from .api_types import Completion, Delta, SamplingParams, Usage
-from .models.checkpoint import Checkpoint
-from .errors import BadInputError, QueueFullError, RequestFailedError
 from .engine.build import EngineParts, build_engine
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
-
+from .errors import BadInputError, QueueFullError, RequestFailedError
+from .models.checkpoint import Checkpoint
 
 SWITCH_INTERVAL_S = 0.0005
 

@@ -72,8 +72,10 @@ class Decoder:
     def _mlp(self, index: int, layer: LayerWeights, a: Array) -> Array:
         ops, cfg = self.ops, self.config
         if layer.router is not None:
+            assert layer.experts_gate and layer.experts_up and layer.experts_down
             return ops.moe(a, layer.router, layer.experts_gate, layer.experts_up, layer.experts_down,
                            cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        assert layer.gate and layer.up and layer.down
         return ops.linear(ops.silu_mul(ops.linear(a, layer.gate), ops.linear(a, layer.up)), layer.down)
 
 

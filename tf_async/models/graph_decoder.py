@@ -91,7 +91,7 @@ class GraphDecoder:
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(),
                         _static_batch(xp, batch, kv))
         cap.stream.wait_event(caller.record())
-        with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():
+        with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():  # type: ignore[attr-defined]
             _load(cap.batch, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())

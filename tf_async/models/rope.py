@@ -58,7 +58,7 @@ def _yarn(inv: np.ndarray, s: dict, rot: int, base: float) -> tuple[np.ndarray, 
         return rot * math.log(orig / (2 * math.pi * r)) / (2 * math.log(base))
 
     lo = max(math.floor(corr(beta_fast)), 0)
-    hi = min(math.ceil(corr(beta_slow)), rot - 1)
+    hi = float(min(math.ceil(corr(beta_slow)), rot - 1))
     if lo == hi:
         hi += 0.001
     ramp = np.clip((np.arange(rot // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
