@@ -18,8 +18,9 @@ import numpy as np
 from ...errors import BadInputError
 from ...models.decoder import Decoder, ForwardBatch
 from ..area import AreaLayout
-from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option, zero_stats
+from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option
 from ..sampling import apply_penalties, sample_token
+from .base import ContextDrafter
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
@@ -30,43 +31,18 @@ log = logging.getLogger("tf_async.drafting")
 MakeContexts = Callable[["Runner", AreaLayout, int], DraftContexts]
 
 
-class ModelDrafter:
+class ModelDrafter(ContextDrafter):
     name = "draft"
 
     def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts,
                  draft_tokens: int):
+        super().__init__(contexts, draft_tokens)
         self.decoder = decoder
-        self.draft_tokens = draft_tokens
         self.ops = decoder.ops
         self.kv_scales = kv_scales
-        self.contexts = contexts
-        self.num_drafted = 0
-        self.num_accepted = 0
 
-    # ---- lifecycle ----------------------------------------------------------------------
-    def is_open(self, seq: Sequence) -> bool:
-        return self.contexts.get(seq) is not None
-
-    def open(self, seq: Sequence) -> None:
-        assert seq.lane is not None
-        self.contexts.open(seq.lane, seq.request_id)
-
-    def release(self, lane: int) -> None:
-        self.contexts.release(lane)
-
-    # ---- drafting -----------------------------------------------------------------------
-    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Catch the ring up to the stream's tokens, then draft up to `limit` tokens."""
-        ctx = self.contexts.get(seq)
-        limit = min(limit, self.draft_tokens)
-        if ctx is None or limit <= 0:
-            return ()
-        try:
-            return self._draft(ctx, seq, limit)
-        except Exception:  # noqa: BLE001 - drafts only change speed; plain decode goes on
-            log.exception("drafting failed for request %d; decoding without drafts", seq.request_id)
-            ctx.num_valid = ctx.num_fed = 0
-            return ()
+    def _reset(self, ctx: DraftContext) -> None:
+        ctx.num_valid = ctx.num_fed = 0
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         num_tokens = seq.num_tokens
@@ -110,14 +86,6 @@ class ModelDrafter:
         first_draft_pos = rows.start_pos + len(rows.token_ids) - len(rows.draft_ids)
         if ctx is not None and rows.draft_ids and ctx.base_pos == first_draft_pos:
             ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
-
-    def stats(self) -> dict[str, int]:
-        areas = self.contexts.areas
-        return {**zero_stats(), "drafted_tokens": self.num_drafted,
-                "accepted_tokens": self.num_accepted, "draft_areas_in_use": areas.num_in_use,
-                "draft_areas_bytes": areas.num_bytes, "draft_area_bytes_in_use": areas.bytes_in_use,
-                "draft_contexts_owned": self.contexts.num_owned}
-
 
 def choose_like_target(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
     """The token the target itself would pick at `pos` if its logits were these."""

@@ -25,7 +25,8 @@ from ...backend.base import Array
 from ...errors import BadInputError
 from ...models.qwen35 import GatedAttentionWeights
 from ..area import AreaLayout
-from ..drafting import DraftContext, DraftContexts, count_accepted, zero_stats
+from ..drafting import DraftContext, DraftContexts, count_accepted
+from .base import ContextDrafter
 from .model import MakeContexts, choose_like_target
 
 if TYPE_CHECKING:
@@ -37,44 +38,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("tf_async.drafting")
 
 
-class MtpDrafter:
+class MtpDrafter(ContextDrafter):
     name = "mtp"
 
     def __init__(self, head: MtpHead, kv_scales: Array, contexts: DraftContexts,
                  draft_tokens: int):
+        super().__init__(contexts, draft_tokens)
         self.head = head
         self.ops = head.ops
         self.kv_scales = kv_scales  # [1, 2] K/V scales of the ring (fp8), else ones
-        self.contexts = contexts
-        self.draft_tokens = draft_tokens
-        self.num_drafted = 0
-        self.num_accepted = 0
 
-    # ---- lifecycle ----------------------------------------------------------------------
-    def is_open(self, seq: Sequence) -> bool:
-        return self.contexts.get(seq) is not None
+    def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
+        return ready(ctx, seq)
 
-    def open(self, seq: Sequence) -> None:
-        assert seq.lane is not None
-        self.contexts.open(seq.lane, seq.request_id)
-
-    def release(self, lane: int) -> None:
-        self.contexts.release(lane)
-
-    # ---- drafting -----------------------------------------------------------------------
-    def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Up to `limit` drafts from the pending slot (last token, newest hidden)."""
-        ctx = self.contexts.get(seq)
-        limit = min(limit, self.draft_tokens)
-        if ctx is None or limit <= 0 or not ready(ctx, seq):
-            return ()
-        try:
-            return self._draft(ctx, seq, limit)
-        except Exception:  # noqa: BLE001 - drafts only change speed; plain decode goes on
-            log.exception("MTP drafting failed for request %d; decoding without drafts",
-                          seq.request_id)
-            ctx.num_valid = -1
-            return ()
+    def _reset(self, ctx: DraftContext) -> None:
+        ctx.num_valid = -1
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         assert ctx.views is not None
@@ -134,14 +112,6 @@ class MtpDrafter:
                         self.kv_scales)
         ctx.views.state[...] = hidden[hi - start_pos]
         ctx.num_valid, ctx.has_state = hi, True
-
-    def stats(self) -> dict[str, int]:
-        areas = self.contexts.areas
-        return {**zero_stats(), "drafted_tokens": self.num_drafted,
-                "accepted_tokens": self.num_accepted, "draft_areas_in_use": areas.num_in_use,
-                "draft_areas_bytes": areas.num_bytes, "draft_area_bytes_in_use": areas.bytes_in_use,
-                "draft_contexts_owned": self.contexts.num_owned}
-
 
 def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
                 kv_scales: Array) -> None:
