@@ -37,14 +37,16 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
-    vec_x = _address(x) % (4 * _mm.X_BATCH[kind]) == 0
+    for name, array in (("x", x), ("w", w), ("scales", scales), ("biases", biases)):
+        if array.strides[-1] != 4:  # the kernels address rows as base + 4 * index
+            raise ValueError(f"matmul {name}: the last axis must be contiguous 4-byte elements")
+    align = 4 * _mm.X_BATCH[kind]  # vector loads of x need every row start aligned
+    vec_x = _address(x) % align == 0 and x.strides[0] % align == 0
     variant = _mm.plan(rows, out_features, path, vec_x, grouped)
-    group_shift = _mm.group_shift(group_size, _mm.PER_WORD[kind])
-    kernel = _mm.matmul_kernel(kind, variant, grouped, group_shift >= 0)
+    group_words = group_size // _mm.PER_WORD[kind] if kind in ("q4", "q8") else 0
+    kernel = _mm.matmul_kernel(kind, variant, group_words, grouped)
     grid, block = _mm.launch_shape(rows, out_features, variant)
-    group_words = max(1, group_size // _mm.PER_WORD[kind])
-    args = (x, w, scales, biases, group_shift, group_words, expert_ids, out)
-    _go(kernel, grid, block, stream, *args)
+    _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
 
 
 def _address(array) -> int:  # noqa: ANN001

@@ -14,16 +14,19 @@ on the rows sharing the launch, the rows per block, the features per warp or the
   Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see
   _make_affine_decoder).
 
-Work split (a `Variant`): a block of WARPS_PER_BLOCK warps; each warp owns `feats` output
-features and the block's `rows_tile` rows, so every weight word is loaded once (coalesced:
-one 128-byte line per warp load), dequantized once and used for all rows from registers.
-Each lane keeps `unroll * feats` words (and their scales) in flight: the next step's words
-are loaded before the current step is computed (a register double buffer), with no shared
-memory and no barrier in the loop. x is read through the L1 cache (16-byte loads), where all
-warps of the SM share it. Grid: (row tiles, feature blocks), row tiles fastest, so the
-blocks that share weights run together and the weights come from HBM once.
-- few-rows path (decode): rows_tile = next power of two >= rows (<= FEW_ROWS_MAX);
-- many-rows path (prompt steps): rows_tile = MANY_ROWS_TILE, more features per warp.
+Work split (a `Variant`; see plan()): a block of WARPS_PER_BLOCK warps; each warp owns
+`feats` output features and the block's `rows_tile` rows, so every weight word is loaded
+once (coalesced: one 128-byte line per warp load), dequantized once and used for all rows
+from registers. Each lane keeps `unroll * feats` words in flight: the next step's words are
+loaded before the current step is computed (a register double buffer), with no shared
+memory and no barrier in the loop; the warp's scale rows are prefetched into L1 at the
+start. x is read through L1 (16-byte loads), shared by the warps of the multiprocessor.
+Grid: (row tiles, feature blocks), row tiles fastest, so blocks that share weights run
+together and the weights come from HBM once. Why 4-byte words interleaved over lanes rather
+than 16-byte chunks per lane: a warp load is still one full line, and a lane's x elements
+stay 32 contiguous bytes (a 16-byte chunk per lane would spread one x load over 32 lines).
+- few-rows path (decode, <= FEW_ROWS_MAX rows, and grouped): 1 or 2 rows a block;
+- many-rows path (prompt steps, verify rows, batches): 4 or MANY_ROWS_TILE rows a block.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from cuda_kernels.env import SIMULATOR, cuda, warp_sum
 WARPS_PER_BLOCK = 2 if SIMULATOR else 4  # fewer Python threads in the simulator
 MATMUL_THREADS = 32 * WARPS_PER_BLOCK
 FEW_ROWS_MAX = 2  # more rows per launch: the many-rows variant
-MANY_ROWS_TILE = 4
+MANY_ROWS_TILE = 8
 PER_WORD = {"f32": 1, "bf16": 2, "q8": 4, "q4": 8}
 X_BATCH = {"f32": 1, "bf16": 2, "q8": 4, "q4": 4}  # x floats read by one load
 _REF = object if SIMULATOR else np.int64  # a row reference: a view, or an address
@@ -55,8 +58,8 @@ class Variant:
 
 # Memory access through "row references": the address of a row's first element on the GPU
 # (so loads are base + constant offsets, no index arithmetic in the loop), a row view under
-# the simulator. Loads of weights and scales use the read-only path and skip L1 (streamed
-# once; L1 is left to x, which every warp of the SM reads).
+# the simulator. All loads take the read-only path; weight words skip L1 (streamed once),
+# leaving it to x (read by every warp of the multiprocessor) and the prefetched scales.
 if SIMULATOR:
 
     @cuda.jit(device=True)
@@ -69,7 +72,7 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def _ld_u32(row, i):  # noqa: ANN001, ANN202
-        return row[i : i + 1].view(np.uint32)[0]  # the bits, also of a float32 row
+        return row[i].view(np.uint32)  # the bits, also of a float32 row
 
     @cuda.jit(device=True)
     def _ld_f32(row, i):  # noqa: ANN001, ANN202
@@ -89,7 +92,7 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def _bits_f32(u):  # noqa: ANN001, ANN202
-        return np.array(int(u) & 0xFFFFFFFF, np.uint32).view(np.float32)[()]
+        return np.uint32(u).view(np.float32)
 
 else:
     from llvmlite import ir
@@ -141,7 +144,7 @@ else:
         return load
 
     _ld_u32 = _asm_load("ld.global.nc.L1::no_allocate.u32", 1, "r", types.uint32)
-    _ld_f32 = _asm_load("ld.global.nc.L1::no_allocate.f32", 1, "f", types.float32)
+    _ld_f32 = _asm_load("ld.global.nc.f32", 1, "f", types.float32)
     _ld_f32x4 = _asm_load("ld.global.nc.v4.f32", 4, "f", types.UniTuple(types.float32, 4))
     _ld_f32x2 = _asm_load("ld.global.nc.v2.f32", 2, "f", types.UniTuple(types.float32, 2))
 
@@ -149,9 +152,11 @@ else:
     def _prefetch_l1(typingctx, row, i):  # noqa: ANN001, ANN202
         """Bring the line of element i of the row into L1 (no register, no wait)."""
         def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-            addr = _address(builder, args[0], context.cast(builder, args[1], sig.args[1], types.int64))
+            i64 = context.cast(builder, args[1], sig.args[1], types.int64)
+            addr = _address(builder, args[0], i64)
             fnty = ir.FunctionType(ir.VoidType(), [addr.type])
-            builder.call(ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True), [addr])
+            asm = ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True)
+            builder.call(asm, [addr])
             return context.get_dummy_value()
 
         return types.void(row, i), codegen
@@ -209,7 +214,8 @@ def _make_affine_decoder(bits: int):  # noqa: ANN202
 
     @cuda.jit(device=True)
     def split_affine(word):  # noqa: ANN001, ANN202
-        return word | np.uint32(0x7F800000), (word >> np.uint32(16)) | np.uint32(0x7F800000)
+        lo = (word & np.uint32(0xFFFF)) + np.uint32(0x7F800000)
+        return lo, (word >> np.uint32(16)) + np.uint32(0x7F800000)
 
     @cuda.jit(device=True)
     def decode_affine(half, m, scale, bias):  # noqa: ANN001, ANN202
@@ -334,6 +340,8 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
 
 def _make_store(variant: Variant):  # noqa: ANN202
     rows_tile, feats = variant.rows_tile, variant.feats
+    if SIMULATOR:
+        return _make_store_simulated(variant)
 
     @cuda.jit(device=True)
     def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
@@ -346,36 +354,74 @@ def _make_store(variant: Variant):  # noqa: ANN202
     return store
 
 
-def _make_step(kind: str, variant: Variant, pow2_groups: bool):  # noqa: ANN202
-    unroll, feats = variant.unroll, variant.feats
-    word_step = _make_word_step(kind, variant)
+def _make_store_simulated(variant: Variant):  # noqa: ANN202
+    # The simulator has no shuffles and each emulated one costs two block barriers, so lane 0
+    # evaluates the same butterfly tree (offsets 16, 8, 4, 2, 1) from shared memory: the
+    # same float32 additions, one barrier.
+    num_acc, feats = variant.rows_tile * variant.feats, variant.feats
 
     @cuda.jit(device=True)
-    def step(x_rows, s_rows, b_rows, base, words, group_shift, group_words, cw, work, acc):  # noqa: ANN001, ANN202, E501
-        # Words base + 32u (u < unroll) of the warp's features, cw: their bits. One test
-        # for a whole step in the common case; work: (halves, wd, sv, xv) scratch.
-        full = base + 32 * (unroll - 1) < words
+    def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
+        buf = cuda.shared.array((WARPS_PER_BLOCK, num_acc, 32), np.float32)
+        warp = cuda.threadIdx.x // 32
+        for a in range(num_acc):
+            buf[warp, a, lane] = acc[a]
+        cuda.syncthreads()
+        for a in range(num_acc if lane == 0 else 0):
+            v = buf[warp, a].copy()
+            for offset in (16, 8, 4, 2, 1):
+                v = v + v[np.arange(32) ^ offset]
+            row, feat = row0 + a // feats, feat0 + a % feats
+            if row < out.shape[0] and feat < out.shape[1]:
+                out[row, feat] = v[0]
+
+    return store
+
+
+def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
+    """(full_step, last_step) over words base + 32u (u < unroll) of the warp's features,
+    cw: their bits; work: (halves, wd, sv, xv) scratch. A full step is straight-line code
+    (one base address per array, constant offsets); only the last, partial step tests each
+    word."""
+    unroll, feats = variant.unroll, variant.feats
+    word_step = _make_word_step(kind, variant)
+    # The groups of words base + 32u are base // group_words + u * (32 // group_words) when
+    # a group divides 32 words: scale loads at constant offsets too.
+    groups_per_32 = 32 // group_words if group_words and 32 % group_words == 0 else 0
+
+    @cuda.jit(device=True)
+    def full_step(x_rows, s_rows, b_rows, base, cw, work, acc):  # noqa: ANN001, ANN202
+        group0 = base // group_words if group_words else 0
         for u in range(unroll):
             word = base + 32 * u
-            if full or word < words:
-                group = word >> group_shift if pow2_groups else word // group_words
+            group = group0 + u * groups_per_32
+            if group_words and not groups_per_32:
+                group = word // group_words
+            word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], work, acc)
+
+    @cuda.jit(device=True)
+    def last_step(x_rows, s_rows, b_rows, base, words, cw, work, acc):  # noqa: ANN001, ANN202
+        for u in range(unroll):
+            word = base + 32 * u
+            if word < words:
+                group = word // group_words if group_words else 0
                 word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], work, acc)
 
-    return step
+    return full_step, last_step
 
 
-def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):  # noqa: ANN202
+def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool):  # noqa: ANN202
     xb, rows_tile, feats, unroll = X_BATCH[kind], variant.rows_tile, variant.feats, variant.unroll
     affine = kind in ("q4", "q8")
     slots, num_acc, num_wd, num_sv = unroll * feats, rows_tile * feats, feats * xb, 2 * feats
-    fetch, step, refs = _make_fetch(variant), _make_step(kind, variant, pow2_groups), _make_refs(variant, affine)
+    fetch, refs = _make_fetch(variant), _make_refs(variant, affine)
+    full_step, last_step = _make_steps(kind, variant, group_words)
     prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant)
 
     @cuda.jit
-    def kernel(x, w, scales, biases, group_shift, group_words, expert_ids, out):  # noqa: ANN001, ANN202
+    def kernel(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
-        # [E, out_f, groups] (affine; else [1, 1, 1]); the group of word i is
-        # i >> group_shift (pow2_groups) else i // group_words;
+        # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32
         lane = cuda.threadIdx.x % 32
         feat0 = (cuda.blockIdx.y * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * feats
@@ -393,44 +439,53 @@ def _make_kernel(kind: str, variant: Variant, grouped: bool, pow2_groups: bool):
         cw = cuda.local.array(slots, np.uint32)  # this step's words
         work = (cuda.local.array(num_sv, np.uint32), cuda.local.array(num_wd, np.float32),
                 cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32))
-        words = w.shape[2]
-        fetch(w_rows, lane, words, wb)
+        words, base = w.shape[2], lane
+        fetch(w_rows, base, words, wb)
         if affine:
             prefetch_scales(s_rows, b_rows, scales.shape[2], lane)
-        for base in range(lane, words, 32 * unroll):
+        while base + 32 * (unroll - 1) < words:
             for s in range(slots):
                 cw[s] = wb[s]
             fetch(w_rows, base + 32 * unroll, words, wb)
-            step(x_rows, s_rows, b_rows, base, words, group_shift, group_words, cw, work, acc)
+            full_step(x_rows, s_rows, b_rows, base, cw, work, acc)
+            base += 32 * unroll
+        if base < words:
+            last_step(x_rows, s_rows, b_rows, base, words, wb, work, acc)
         store(acc, row0, feat0, lane, out)
 
     return kernel
 
 
-_KERNELS: dict[tuple[str, Variant, bool, bool], object] = {}
+_KERNELS: dict[tuple[str, Variant, int, bool], object] = {}
 
 
-def matmul_kernel(kind: str, variant: Variant, grouped: bool = False, pow2_groups: bool = True):  # noqa: ANN201, E501
-    """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4') and `variant`; grouped
-    (MoE: each row's own expert) needs rows_tile 1; pow2_groups: see group_shift."""
+def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bool = False):  # noqa: ANN201
+    """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4') and `variant`; group_words:
+    words per scale group (affine kinds; a compile-time constant), 0 for dense kinds;
+    grouped (MoE: each row's own expert) needs rows_tile 1."""
     if grouped and variant.rows_tile != 1:
         raise ValueError("grouped (MoE) matmul runs one row per block")
-    key = (kind, variant, grouped, pow2_groups)
+    if (kind in ("q4", "q8")) != (group_words > 0):
+        raise ValueError(f"{kind}: group_words {group_words}")
+    key = (kind, variant, group_words, grouped)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, variant, grouped, pow2_groups)
+        _KERNELS[key] = _make_kernel(kind, variant, group_words, grouped)
     return _KERNELS[key]
 
 
 def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = False) -> Variant:
-    """The variant of a launch. 'few' (decode, memory bound): 1 or 2 rows a block, 4 words
-    per feature in flight per lane. 'many': 4 rows a block and 8 features a warp, so each
-    x load (L1) feeds 32 fmas and each decoded element 4. Narrow outputs get half the
-    features per warp so that the grid still covers the GPU."""
-    wide = out_features >= 4096
+    """The variant of a launch (none changes a row's bits). 'few' (decode, memory bound):
+    1 or 2 rows a block, 8 (4 at 2 rows) words per feature and lane in flight. 'many':
+    4 rows a block and 8 features a warp, or MANY_ROWS_TILE rows and 4 features past 4
+    rows; one step of words in flight, each decoded element feeds every row. Narrow
+    outputs get half the features per warp so that the grid still covers the 132 SMs."""
+    narrow = 2 if out_features < 4096 else 1
     if path == "many" and not grouped:
-        return Variant(MANY_ROWS_TILE, 8 if wide else 4, 1, vec_x)
+        if rows <= 4:
+            return Variant(4, 8 // narrow, 1, vec_x)
+        return Variant(MANY_ROWS_TILE, 4 // narrow, 1, vec_x)
     rows_tile = 1 if rows <= 1 or grouped else 2
-    return Variant(rows_tile, 4 if wide else 2, 4, vec_x)
+    return Variant(rows_tile, 4 // narrow, 8 if rows_tile == 1 else 4, vec_x)
 
 
 def launch_shape(rows: int, out_features: int, variant: Variant) -> tuple[tuple[int, int], int]:
@@ -438,13 +493,6 @@ def launch_shape(rows: int, out_features: int, variant: Variant) -> tuple[tuple[
     per_block = WARPS_PER_BLOCK * variant.feats
     grid_rows = (rows + variant.rows_tile - 1) // variant.rows_tile
     return (grid_rows, (out_features + per_block - 1) // per_block), MATMUL_THREADS
-
-
-def group_shift(group_size: int, per_word: int) -> int:
-    """log2 of the words per scale group, or -1 when that is not a power of two (GGUF 32
-    and MLX 32/64/128 are; others take the slower division kernel)."""
-    group_words = max(1, group_size // per_word)
-    return group_words.bit_length() - 1 if group_words & (group_words - 1) == 0 else -1
 
 
 @cuda.jit

@@ -170,6 +170,21 @@ def check_matmul(rng: np.random.Generator) -> None:
             assert rel_err(out, x @ deq[0].T) < 1e-5, (kind, path)
         assert np.array_equal(results["few"], results["many"]), kind
     _check_dense_matmul(rng, x, out_f)
+    for case in matmul_cases(rng, rows=7, out_f=5):
+        _check_matmul_invariance(*case)
+    _check_full_steps(rng)
+
+
+def _check_full_steps(rng: np.random.Generator) -> None:
+    """Rows long enough for whole steps of every unroll (8 words a lane and feature at one
+    row, 4 at two) before the partial one: each row alone, in pairs and in the many path."""
+    x = rng.standard_normal((3, 2304)).astype(np.float32)  # 288 q4 words
+    parts = affine_weight(rng, 1, 5, 2304, 4, 64)
+    many = _sim_matmul("q4", x, parts[:3], 64, path="many")
+    assert rel_err(many, x @ parts[3][0].T) < 1e-5
+    for start, count in ((0, 1), (2, 1), (1, 2)):
+        got = _sim_matmul("q4", x[start : start + count], parts[:3], 64)
+        assert np.array_equal(got, many[start : start + count]), (start, count)
 
 
 def _check_dense_matmul(rng: np.random.Generator, x: np.ndarray, out_f: int) -> None:
@@ -184,6 +199,51 @@ def _check_dense_matmul(rng: np.random.Generator, x: np.ndarray, out_f: int) -> 
     out = np.full((x.shape[0], out_f), np.nan, np.float32)
     launch.matmul("bf16", x, wb.view(np.uint32), dummy, dummy, 1 << 30, np.zeros(1, np.int32), out)
     assert rel_err(out, x @ bf16_value_ref(wb[0]).T.astype(np.float64)) < 1e-5
+
+
+def matmul_cases(rng: np.random.Generator, rows: int, out_f: int, scale: int = 1):  # noqa: ANN201
+    """(name, kind, x, parts, group_size, float64 reference) for every weight kind, at sizes
+    that end in a partial step (88*scale words a row, not a multiple of 32 lanes x unroll),
+    plus a non-power-of-two group (the division kernel) and a row shorter than a warp."""
+    x_rows = rng.standard_normal((rows, 704 * scale)).astype(np.float32)
+    cases = []
+    for kind, bits, in_f, gs in (("q4", 4, 704 * scale, 64), ("q8", 8, 352 * scale, 32),
+                                 ("q4", 4, 576 * scale, 96), ("q8", 8, 64, 32)):
+        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, bits, gs)
+        cases.append((f"{kind} gs{gs} in{in_f}", kind, x_rows[:, :in_f].copy(),
+                      (codes, scales, biases), gs, x_rows[:, :in_f] @ deq[0].T))
+    dummy = np.zeros((1, 1, 1), np.float32)
+    for kind, in_f in (("bf16", 176 * scale), ("f32", 88 * scale)):
+        w = rng.standard_normal((1, out_f, in_f)).astype(np.float32)
+        bits = bf16_bits_ref(w) if kind == "bf16" else None
+        values = bf16_value_ref(bits) if kind == "bf16" else w
+        words = bits.view(np.uint32) if kind == "bf16" else w
+        cases.append((kind, kind, x_rows[:, :in_f].copy(), (words, dummy, dummy), 1 << 30,
+                      x_rows[:, :in_f] @ values[0].T.astype(np.float64)))
+    return cases
+
+
+def _sim_matmul(kind: str, x: np.ndarray, parts: tuple, gs: int,
+                path: str | None = None) -> np.ndarray:
+    from cuda_kernels import launch
+
+    out = np.full((x.shape[0], parts[0].shape[1]), np.nan, np.float32)
+    launch.matmul(kind, x, *parts, gs, np.zeros(1, np.int32), out, path=path)
+    return out
+
+
+def _check_matmul_invariance(name, kind, x, parts, gs, ref) -> None:  # noqa: ANN001
+    """Every row bit-identical whatever the rows sharing the launch, the path (rows per
+    block, features per warp) and the alignment of x (vector or scalar loads)."""
+    many = _sim_matmul(kind, x, parts, gs, path="many")
+    assert rel_err(many, ref) < 1e-5, (name, rel_err(many, ref))
+    subsets = ((0, 1, None), (6, 1, None), (2, 2, None), (1, 4, None), (3, 3, "few"))
+    for start, count, path in subsets:
+        part = _sim_matmul(kind, x[start : start + count], parts, gs, path)
+        assert np.array_equal(part, many[start : start + count]), (name, start, count, path)
+    shifted = np.empty(2 * x.shape[1] + 1, np.float32)[1:].reshape(2, x.shape[1])  # 4 bytes off 16
+    shifted[...] = x[4:6]
+    assert np.array_equal(_sim_matmul(kind, shifted, parts, gs), many[4:6]), (name, "unaligned x")
 
 
 def check_grouped_matmul(rng: np.random.Generator) -> None:

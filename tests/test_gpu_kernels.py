@@ -83,6 +83,101 @@ def test_dense_matmul(ops, rng, kind) -> None:  # noqa: ANN001
     assert np.array_equal(_matmul(ops, kind, x[7:8], (words, dummy, dummy), 1 << 30), out[7:8])
 
 
+@pytest.fixture(scope="module")
+def matmul_cases():  # noqa: ANN201
+    return ref.matmul_cases(np.random.default_rng(), rows=37, out_f=4104, scale=16)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_matmul_rows_paths_alignment_invariance(ops, matmul_cases, case) -> None:  # noqa: ANN001
+    """Every kind at sizes ending in a partial step, a non-power-of-two group, a row shorter
+    than a warp: float64 bound, and each row bit-identical across row counts, paths and
+    the alignment of x (scalar-load kernels)."""
+    from cuda_kernels import launch
+
+    name, kind, x, parts, gs, want = matmul_cases[case]
+    many = _matmul(ops, kind, x, parts, gs, path="many")
+    assert ref.rel_err(many, want) < MATMUL_BOUND, name
+    assert np.array_equal(_matmul(ops, kind, x, parts, gs, path="few"), many), name
+    for start, rows in ((5, 1), (6, 2), (7, 3), (9, 8), (10, 20)):
+        got = _matmul(ops, kind, x[start : start + rows], parts, gs)
+        assert np.array_equal(got, many[start : start + rows]), (name, rows)
+    shifted = ops.xp.empty(3 * x.shape[1] + 1, ops.xp.float32)[1:].reshape(3, x.shape[1])
+    shifted[...] = ops.asarray(x[2:5])
+    out = _poisoned(ops, (3, parts[0].shape[1]))
+    dev_parts = [ops.asarray(p) for p in parts]
+    _run(ops, launch.matmul, kind, shifted, *dev_parts, gs, ops._no_experts, out)
+    assert np.array_equal(ops.to_host(out), many[2:5]), (name, "unaligned x")
+
+
+# Qwen3-8B's linears of one layer (out_features, in_features): q, k, v, o, gate, up, down.
+QWEN3_8B_LAYER = ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096),
+                  (12288, 4096), (4096, 12288))
+
+
+def _layer_weights(xp, kind: str) -> list[tuple[tuple, int]]:  # noqa: ANN001
+    """One layer's weights on the device: [(words, scales, biases), bytes] per linear."""
+    layer = []
+    for out_f, in_f in QWEN3_8B_LAYER:
+        per_word = 8 if kind == "q4" else 2
+        words = (xp.random.random((1, out_f, in_f // per_word)) * 2.0**32).astype(xp.uint32)
+        if kind == "q4":
+            scales = xp.random.random((1, out_f, in_f // 64), dtype=xp.float32) * 0.01
+            parts = (words, scales, -7.5 * scales)
+        else:  # bf16 pairs with exponents well inside the finite range
+            none = xp.zeros((1, 1, 1), xp.float32)
+            parts = (words & xp.uint32(0x3FFF3FFF), none, none)
+        layer.append((parts, sum(int(p.nbytes) for p in parts)))
+    return layer
+
+
+def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: ANN001
+    """GPU seconds per layer: every linear of every layer captured in one CUDA graph (as the
+    engine's decode rounds are), replays timed with events."""
+    from cuda_kernels import launch
+
+    xp, gs = ops.xp, 64 if kind == "q4" else 1 << 30
+    xs = {n: xp.random.standard_normal((rows, n), dtype=xp.float32) for _, n in QWEN3_8B_LAYER}
+    outs = {n: xp.empty((rows, n), xp.float32) for n, _ in QWEN3_8B_LAYER}
+    stream = xp.cuda.Stream(non_blocking=False)
+    with stream:
+        launches = [(ops._dev(xs[n_in]), [ops._dev(p) for p in parts], ops._dev(outs[n_out]))
+                    for layer in layers
+                    for (n_out, n_in), (parts, _) in zip(QWEN3_8B_LAYER, layer, strict=True)]
+        experts = ops._dev(ops._no_experts)
+        for phase in ("compile", "capture"):
+            if phase == "capture":  # relaxed, as tf_async/models/graph_decoder.py captures
+                relaxed = getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
+                stream.begin_capture(mode=relaxed)
+            for x, parts, out in launches:
+                launch.matmul(kind, x, *parts, gs, experts, out, ops._stream())
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start = stream.record()
+        for _ in range(5):
+            graph.launch(stream)
+        stop = stream.record()
+        stop.synchronize()
+    return xp.cuda.get_elapsed_time(start, stop) / 1e3 / (5 * len(layers))
+
+
+@pytest.mark.parametrize("kind", ["q4", "bf16"])
+def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:  # noqa: ANN001
+    """The 7 linears of a Qwen3-8B layer (weights of 4 layers, more than L2 holds) at 1, 8,
+    32 and 256 rows: prints ms per 36 layers and weight bytes/s (pytest -s). Floor at 1 row:
+    weights stream at >= 1.5 TB/s (q4) / 2 TB/s (bf16); the H200 copies at ~4.2 TB/s."""
+    layers = [_layer_weights(ops.xp, kind) for _ in range(4)]
+    layer_bytes = sum(nbytes for _, nbytes in layers[0])
+    rates = {}
+    for rows in (1, 8, 32, 256):
+        seconds = _graph_seconds(ops, kind, layers, rows)
+        rates[rows] = layer_bytes / seconds
+        print(f"{kind} rows={rows:3d}: {36 * seconds * 1e3:7.2f} ms per 36 layers, "
+              f"{rates[rows] / 1e12:5.2f} TB/s of weights, {rows / (36 * seconds):8.0f} rows/s")
+    floor = 1.5e12 if kind == "q4" else 2.0e12
+    assert rates[1] >= floor, f"{kind} batch-1 matmuls stream {rates[1] / 1e12:.2f} TB/s"
+
+
 def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN202
     from cuda_kernels import launch
 
