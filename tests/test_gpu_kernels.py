@@ -164,8 +164,8 @@ def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: A
 @pytest.mark.parametrize("kind", ["q4", "bf16"])
 def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:  # noqa: ANN001
     """The 7 linears of a Qwen3-8B layer (weights of 4 layers, more than L2 holds) at 1, 8,
-    32 and 256 rows: prints ms per 36 layers and weight bytes/s (pytest -s). Floor at 1 row:
-    weights stream at >= 1.5 TB/s (q4) / 2 TB/s (bf16); the H200 copies at ~4.2 TB/s."""
+    32 and 256 rows: prints ms per 36 layers and weight bytes/s (pytest -s); a measurement for
+    docs/PERFORMANCE.md, never a timed assertion. The H200 copies at ~4.2 TB/s."""
     layers = [_layer_weights(ops.xp, kind) for _ in range(4)]
     layer_bytes = sum(nbytes for _, nbytes in layers[0])
     rates = {}
@@ -174,8 +174,7 @@ def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:  # noqa: ANN001
         rates[rows] = layer_bytes / seconds
         print(f"{kind} rows={rows:3d}: {36 * seconds * 1e3:7.2f} ms per 36 layers, "
               f"{rates[rows] / 1e12:5.2f} TB/s of weights, {rows / (36 * seconds):8.0f} rows/s")
-    floor = 1.5e12 if kind == "q4" else 2.0e12
-    assert rates[1] >= floor, f"{kind} batch-1 matmuls stream {rates[1] / 1e12:.2f} TB/s"
+    assert all(rate > 0 for rate in rates.values())  # figures only: no timed assertion
 
 
 def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN202
