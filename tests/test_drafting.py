@@ -180,6 +180,7 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert ngram_lookup(t([7, 2, 3, 4, 5, 6, 1, 3]), 3, 2) == [4, 5]  # falls back to n = 1
     assert ngram_lookup(t([4, 4, 4]), 3, 8) == [4]  # the suffix itself is never a match
     assert ngram_lookup(t([1, 2, 3]), 3, 4) == []
+    assert ngram_lookup(t([7, 2, 3, 4, 5, 6, 1, 3]), 3, 2, min_ngram=2) == []  # no 1-token match
 
 
 # ---- order of events ----------------------------------------------------------------------

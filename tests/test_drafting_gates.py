@@ -31,6 +31,7 @@ def sampling(mode: str, index: int) -> dict:
 def make_engine(ckpt, *, draft_areas: int | None = None, **kw) -> Engine:
     opts = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16)
     eng = Engine(ckpt, **{**opts, **kw})
+    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams: draft on 1
     if draft_areas is not None:
         eng.options["draft_areas"] = draft_areas  # fewer areas than lanes: owned fallbacks
     return eng

@@ -147,14 +147,16 @@ def should_pool(ctx: DraftContext) -> bool:
 
 # ---- ngram --------------------------------------------------------------------------------
 class NgramDrafter:
-    """Prompt lookup: find the longest suffix n-gram (n = 3..1) earlier in the stream's own
-    tokens and propose the tokens that followed its most recent earlier occurrence."""
+    """Prompt lookup: find the longest suffix n-gram (n = 3..2) earlier in the stream's own
+    tokens and propose the tokens that followed its most recent earlier occurrence. A single
+    matching token predicts too little: drafting on it costs more than it wins on free text."""
 
     name = "ngram"
 
-    def __init__(self, draft_tokens: int, max_ngram: int = 3):
+    def __init__(self, draft_tokens: int, max_ngram: int = 3, min_ngram: int = 2):
         self.draft_tokens = draft_tokens
         self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
         self.num_drafted = 0
         self.num_accepted = 0
         self._open: dict[int, int] = {}  # lane -> request id
@@ -176,7 +178,7 @@ class NgramDrafter:
         if limit <= 0 or not self.is_open(seq):
             return ()
         drafts = ngram_lookup(np.asarray([*seq.prompt_ids, *seq.output_ids], np.int64),
-                              self.max_ngram, limit)
+                              self.max_ngram, limit, self.min_ngram)
         return tuple(t for t in _until_stop(drafts, seq.stop_ids))
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
@@ -187,10 +189,11 @@ class NgramDrafter:
                 "accepted_tokens": self.num_accepted}
 
 
-def ngram_lookup(tokens: np.ndarray, max_ngram: int, limit: int) -> list[int]:
-    """Up to `limit` tokens that followed the most recent earlier match of the longest suffix."""
+def ngram_lookup(tokens: np.ndarray, max_ngram: int, limit: int, min_ngram: int = 1) -> list[int]:
+    """Up to `limit` tokens that followed the most recent earlier match of the longest suffix
+    of min_ngram..max_ngram tokens."""
     length = tokens.shape[0]
-    for size in range(min(max_ngram, length - 1), 0, -1):
+    for size in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = tokens[length - size:]
         starts = length - size  # candidate starts 0..starts-1 (not the suffix itself)
         match = np.ones(starts, bool)
@@ -229,7 +232,7 @@ def attach_drafter(options: dict[str, Any], ckpt: Checkpoint, scheduler: Schedul
     kind, path = parse_drafter(options["drafter"])
     drafter: Drafter
     if kind == "ngram":
-        drafter = NgramDrafter(options["draft_tokens"])
+        drafter = NgramDrafter(options["draft_tokens"], min_ngram=int(options.get("ngram_min", 2)))
     else:
         from .drafters.model import make_ring_drafter
 
