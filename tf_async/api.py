@@ -180,11 +180,11 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def stream(self, prompt: str | list[int], **kwargs: Any) -> RequestStream:
-        return RequestStream(self, self._prompt_ids(prompt), self._params(prompt, kwargs))
+        return RequestStream(self, self._prompt_ids(prompt), self._params(kwargs))
 
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> RequestStream:
         ids = self.tokenizer.encode_chat(messages)
-        return RequestStream(self, ids, self._params(ids, kwargs))
+        return RequestStream(self, ids, self._params(kwargs))
 
     async def complete(self, prompt: str | list[int], **kwargs: Any) -> Completion:
         return await _collect(self.stream(prompt, **kwargs))
@@ -208,12 +208,11 @@ class Engine:
                f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return list(prompt)
 
-    def _params(self, prompt: Any, kwargs: dict[str, Any]) -> SamplingParams:
+    def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         try:
-            params = make_params(**kwargs)
-        except TypeError as exc:
+            return make_params(**kwargs)
+        except TypeError as exc:  # an unknown keyword argument
             raise BadInputError(f"bad argument: {exc}") from exc
-        return params
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue[TokenEvent]]:
         parts = self._parts
