@@ -134,13 +134,13 @@ class Runner:
                                                   all_hidden=True)  # type: ignore[call-arg]
             return self._split(all_rows, self.ops.to_host(logits), hidden, every_row=True)
         logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
-        return self._split(all_rows, self.ops.to_host(logits), self.ops.to_host(hidden))
+        return self._split(all_rows, self.ops.to_host(logits), hidden)  # hidden stays on device
 
     @staticmethod
     def _split(all_rows: tuple[SeqRows, ...], logits: np.ndarray, hidden: Any, *,
                every_row: bool = False) -> RoundResult:
-        """Per request: its logit rows (host), and its hidden rows (logit rows on the host, or
-        every row on the device when `every_row`)."""
+        """Per request: its logit rows (host), and its hidden rows (on the device: the logit
+        rows, or every row when `every_row`)."""
         out_l: dict[int, np.ndarray] = {}
         out_h: dict[int, Any] = {}
         start = row = 0
