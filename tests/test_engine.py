@@ -180,3 +180,22 @@ async def test_stream_deltas_concatenate_to_complete_and_stats_shape(tiny_llama)
         for key in ("lanes_in_use", "pages_in_use", "pages_total", "queued", "running"):
             assert key in stats
         assert len(eng.lanes()) == 4
+
+
+async def test_waiting_requests_are_admitted_first_come_first_served(tiny_llama):
+    async with engine(tiny_llama, parallel=1) as eng:
+        order: list[int] = []
+
+        async def one(i: int) -> None:
+            async for delta in eng.stream(PROMPTS[i], max_tokens=3):
+                if delta.token_ids and i not in order:
+                    order.append(i)
+
+        # submitted in the order 3, 0, 2, 1 (each stream submits on its first __anext__)
+        tasks = []
+        for i in (3, 0, 2, 1):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert order == [3, 0, 2, 1]
+        await wait_idle(eng)
