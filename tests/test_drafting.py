@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.engine_helpers import idle_stats
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async import BadInputError, Engine, RequestFailedError
 from tf_async.api import make_params
@@ -216,14 +217,6 @@ async def test_stepped_prompt_opens_the_drafter_on_the_targets_lane(tiny_llama, 
         # one open per stream that passed its first step (not the failed step's), each on the
         # target's own lane with its run already holding the first step's pages
         assert len(seen) == 5 and all(owner and pages and done == 0 for _, owner, pages, done in seen)
-        await _idle(eng)
+        await idle_stats(eng)
 
 
-async def _idle(eng: Engine) -> None:
-    for _ in range(400):
-        s = eng.stats()
-        if s["running"] == 0 and s["queued"] == 0:
-            break
-        await asyncio.sleep(0.005)
-    s = eng.stats()
-    assert (s["lanes_in_use"], s["pages_in_use"], s["draft_areas_in_use"]) == (0, 0, 0), s

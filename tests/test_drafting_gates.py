@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_helpers import idle_stats, run_with_cancels
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async import Engine
 from tf_async.gate import PROMPTS
@@ -40,17 +41,6 @@ def make_engine(ckpt, *, draft_areas: int | None = None, **kw) -> Engine:
 async def run_all(eng: Engine, prompts: list[str], mode: str) -> list[list[int]]:
     outs = await asyncio.gather(*(eng.complete(p, **sampling(mode, i)) for i, p in enumerate(prompts)))
     return [o.token_ids for o in outs]
-
-
-async def assert_idle(eng: Engine) -> dict:
-    for _ in range(400):
-        s = eng.stats()
-        if s["running"] == 0 and s["queued"] == 0:
-            break
-        await asyncio.sleep(0.005)
-    s = eng.stats()
-    assert (s["lanes_in_use"], s["pages_in_use"], s["draft_areas_in_use"]) == (0, 0, 0), s
-    return s
 
 
 def record_draft_sizes(eng: Engine) -> list[int]:
@@ -102,7 +92,7 @@ async def test_drafted_equals_plain_on_tiny_model(tiny_llama, tiny_llama_dir, ot
             sizes = record_draft_sizes(eng)
             got = await run_all(eng, list(PROMPTS[:streams]), mode)
             assert got == plain[mode][:streams], (k, streams, paging)
-            stats = await assert_idle(eng)
+            stats = await idle_stats(eng)
         assert max(sizes) <= k and (kind != "self" or max(sizes) == k), (sizes, k)
         assert stats["drafted_tokens"] > 0, (k, streams)
         if kind == "self":  # same kernels, same sampling: every draft is what the target emits
@@ -118,24 +108,12 @@ async def test_cancels_mid_draft_leave_others_equal_to_plain(tiny_llama, tiny_ll
     cancel_after = [None, 1, None, 5, 2, None, 9, None]
     async with make_engine(tiny_llama, parallel=3, step_tokens=5, drafter=spec,
                            draft_tokens=4) as eng:
-        async def one(i: int) -> list[int] | None:
-            ids: list[int] = []
-            stream = eng.stream(PROMPTS[i], **sampling("seeded", i))
-            async for delta in stream:
-                ids.extend(delta.token_ids)
-                if cancel_after[i] is not None and len(ids) >= cancel_after[i]:
-                    await stream.aclose()  # acted on between rounds, drafts in flight or not
-                    return None
-            return ids
-
-        tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
-        await asyncio.sleep(0)
-        tasks[7].cancel()  # before any token: mid-prompt
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results = await run_with_cancels(eng, PROMPTS, lambda i: sampling("seeded", i),
+                                         cancel_after, cancel_task=7)
         for i, got in enumerate(results):
             if cancel_after[i] is None and i != 7:
                 assert got == plain["seeded"][i], i
-        stats = await assert_idle(eng)
+        stats = await idle_stats(eng)
         assert stats["draft_area_bytes_in_use"] == 0
 
 
@@ -155,7 +133,7 @@ async def test_drafted_equals_plain_on_default_model(default_checkpoint):
                 outs = await asyncio.gather(*(eng.complete(p, max_tokens=10, **_default_mode(mode, i))
                                               for i, p in enumerate(prompts)))
                 results[name, mode] = [o.token_ids for o in outs]
-            results[name, "stats"] = await assert_idle(eng)
+            results[name, "stats"] = await idle_stats(eng)
     for mode in ("greedy", "seeded"):
         assert results["ngram", mode] == results["plain", mode]
         assert results["self", mode] == results["plain", mode]

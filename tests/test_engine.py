@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from tests.engine_helpers import idle_stats, run_with_cancels
 from tf_async import BadInputError, Engine, QueueFullError, RequestFailedError
-from tf_async.gate import PROMPTS, generate, run_gates
+from tf_async.gate import PROMPTS, generate, run_gates, sampling
 
 pytestmark = pytest.mark.asyncio
 
@@ -32,42 +33,19 @@ async def solo_outputs(ckpt, mode: str, max_tokens: int) -> list[list[int]]:
         return await generate(eng, list(PROMPTS), mode, max_tokens, concurrent=False)
 
 
-async def wait_idle(eng: Engine) -> dict:
-    for _ in range(1000):
-        stats = eng.stats()
-        if stats["lanes_in_use"] == 0 and stats["running"] == 0 and stats["queued"] == 0:
-            return stats
-        await asyncio.sleep(0.005)
-    return eng.stats()
-
-
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 async def test_cancels_at_random_points_leave_others_intact_and_idle_empty(tiny_llama, mode):
     solo = await solo_outputs(tiny_llama, mode, 20)
     rng = random.Random(7)
     async with engine(tiny_llama, parallel=3, step_tokens=5) as eng:
-        async def run(i: int, cancel_after: int | None) -> list[int] | None:
-            from tf_async.gate import sampling
-
-            ids: list[int] = []
-            stream = eng.stream(PROMPTS[i], **sampling(mode, i, 20))
-            async for delta in stream:
-                ids.extend(delta.token_ids)
-                if cancel_after is not None and len(ids) >= cancel_after:
-                    await stream.aclose()
-                    return None
-            return ids
-
         plan = [rng.choice([None, 0, 1, 3, 8]) for _ in PROMPTS]
-        tasks = [asyncio.create_task(run(i, c)) for i, c in enumerate(plan)]
-        # cancel one task mid-prompt (before any token) via task cancellation
-        tasks[5].cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results = await run_with_cancels(eng, PROMPTS, lambda i: sampling(mode, i, 20), plan,
+                                         cancel_task=5)
         for i, (cancel_after, got) in enumerate(zip(plan, results, strict=True)):
             if i == 5 or cancel_after is not None:
                 continue
             assert got == solo[i], i
-        stats = await wait_idle(eng)
+        stats = await idle_stats(eng)
         assert stats["pages_in_use"] == 0 and stats["lanes_in_use"] == 0
 
 
@@ -85,7 +63,7 @@ async def test_failed_step_fails_only_that_request(tiny_llama):
                                     return_exceptions=True)
         assert isinstance(outs[2], RequestFailedError) and "injected fault" in str(outs[2])
         assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [solo[i] for i in (0, 1, 3)]
-        stats = await wait_idle(eng)
+        stats = await idle_stats(eng)
         assert stats["pages_in_use"] == 0 and stats["lanes_in_use"] == 0
         eng.parts.runner.fault_injector = None
         assert (await eng.complete(PROMPTS[2], max_tokens=10)).token_ids == solo[2]
@@ -98,7 +76,7 @@ async def test_out_of_pages_preempts_and_recomputes_without_changing_tokens(tiny
         outs = await asyncio.gather(*(eng.complete(p, max_tokens=40) for p in PROMPTS))
         assert [o.token_ids for o in outs] == solo
         assert eng.parts.scheduler.num_preemptions > 0
-        stats = await wait_idle(eng)
+        stats = await idle_stats(eng)
         assert stats["pages_in_use"] == 0
 
 
@@ -114,7 +92,7 @@ async def test_queue_is_fcfs_bounded_and_refuses_what_never_fits(tiny_llama):
         for s in streams:
             await s.aclose()
         assert all(f.text is not None for f in firsts)
-        await wait_idle(eng)
+        await idle_stats(eng)
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
@@ -198,4 +176,4 @@ async def test_waiting_requests_are_admitted_first_come_first_served(tiny_llama)
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         assert order == [3, 0, 2, 1]
-        await wait_idle(eng)
+        await idle_stats(eng)

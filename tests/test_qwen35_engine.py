@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests import tiny_qwen35 as tq
+from tests.engine_helpers import idle_stats, run_with_cancels
 from tf_async import BadInputError, Engine
 from tf_async.engine.drafters.model import choose_like_target
 from tf_async.gate import PROMPTS, run_gates
@@ -66,17 +67,6 @@ async def run_all(eng: Engine, mode: str, prompts=PROMPTS) -> list[list[int]]:
     outs = await asyncio.gather(*(eng.complete(p, **sampling(mode, i))
                                   for i, p in enumerate(prompts)))
     return [o.token_ids for o in outs]
-
-
-async def idle_stats(eng: Engine) -> dict:
-    for _ in range(400):
-        s = eng.stats()
-        if s["running"] == 0 and s["queued"] == 0:
-            break
-        await asyncio.sleep(0.005)
-    s = eng.stats()
-    assert (s["lanes_in_use"], s["pages_in_use"], s["draft_areas_in_use"]) == (0, 0, 0), s
-    return s
 
 
 @pytest.fixture(scope="module")
@@ -239,20 +229,8 @@ async def test_cancels_mid_draft_leave_others_equal_to_plain(hybrids, plain, spe
     cancel_after = [None, 1, None, 5, 2, None, 9, None]
     async with engine(hybrids[name], parallel=3, step_tokens=5, drafter=spec,
                       draft_tokens=4) as eng:
-        async def one(i: int) -> list[int] | None:
-            ids: list[int] = []
-            stream = eng.stream(PROMPTS[i], **sampling("seeded", i))
-            async for delta in stream:
-                ids.extend(delta.token_ids)
-                if cancel_after[i] is not None and len(ids) >= cancel_after[i]:
-                    await stream.aclose()  # acted on between rounds, drafts in flight or not
-                    return None
-            return ids
-
-        tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
-        await asyncio.sleep(0)
-        tasks[7].cancel()  # before any token: mid-prompt
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results = await run_with_cancels(eng, PROMPTS, lambda i: sampling("seeded", i),
+                                         cancel_after, cancel_task=7)
         stats = await idle_stats(eng)
     for i, got in enumerate(results):
         if cancel_after[i] is None and i != 7:

@@ -1,0 +1,48 @@
+"""Helpers shared by the engine, drafting and hybrid tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from tf_async import Engine
+
+STUCK_AFTER_S = 60.0  # far beyond any tiny-model run: only a stuck engine gets there
+
+
+async def idle_stats(eng: Engine) -> dict[str, Any]:
+    """Wait (polling, bounded) until nothing runs or waits; assert the engine holds nothing."""
+    for _ in range(1000):
+        s = eng.stats()
+        if s["running"] == 0 and s["queued"] == 0 and s["lanes_in_use"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    s = eng.stats()
+    held = (s["lanes_in_use"], s["pages_in_use"], s.get("draft_areas_in_use", 0))
+    assert held == (0, 0, 0), s
+    return s
+
+
+async def run_with_cancels(eng: Engine, prompts: list[str] | tuple[str, ...],
+                           kwargs_of: Callable[[int], dict[str, Any]],
+                           cancel_after: list[int | None], cancel_task: int) -> list[Any]:
+    """Stream every prompt at once; stream i is closed after `cancel_after[i]` tokens, and task
+    `cancel_task` is cancelled before its first token (mid-prompt). Returns each stream's ids
+    (None when closed early, CancelledError for the cancelled task)."""
+    async def one(i: int) -> list[int] | None:
+        ids: list[int] = []
+        stream = eng.stream(prompts[i], **kwargs_of(i))
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+            if cancel_after[i] is not None and len(ids) >= cancel_after[i]:
+                await stream.aclose()  # acted on between rounds, drafts in flight or not
+                return None
+        return ids
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+    await asyncio.sleep(0)  # let every task submit
+    tasks[cancel_task].cancel()
+    # A leaked lane would leave the other streams queued forever: fail instead of hanging.
+    gathered = asyncio.gather(*tasks, return_exceptions=True)
+    return list(await asyncio.wait_for(gathered, timeout=STUCK_AFTER_S))
