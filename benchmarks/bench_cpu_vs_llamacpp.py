@@ -80,6 +80,7 @@ def bench_transformers(path: str, ids: list[int], decode: int, threads: int) -> 
 
 
 def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: ANN001, ANN202, N803
+    from tf_async.models.checkpoint import dense_hf_state
     from tf_async.models.loader import load_checkpoint
 
     ck = load_checkpoint(path)
@@ -90,15 +91,7 @@ def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: ANN001, ANN2
                       rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=True,
                       max_position_embeddings=c.max_position_embeddings)
     model = LlamaForCausalLM(cfg).eval()
-    sd = {"model.embed_tokens.weight": w.embed.dequantize(), "model.norm.weight": w.final_norm}
-    for i, layer in enumerate(w.layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = layer.input_norm
-        sd[p + "post_attention_layernorm.weight"] = layer.post_norm
-        for n in ("q", "k", "v", "o"):
-            sd[p + f"self_attn.{n}_proj.weight"] = getattr(layer, n).dequantize()
-        for n in ("gate", "up", "down"):
-            sd[p + f"mlp.{n}_proj.weight"] = getattr(layer, n).dequantize()
+    sd = dense_hf_state(w)
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, strict=False)
     return model
 

@@ -8,6 +8,7 @@ import pytest
 from tests.reference import reference_logits
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async.backend.cpu.ops import CpuOps
+from tf_async.models.checkpoint import dense_hf_state
 from tf_async.models.decoder import Decoder, ForwardBatch
 from tf_async.models.loader import load_checkpoint
 
@@ -83,19 +84,7 @@ def test_quantized_checkpoints_match_reference_on_their_dequantized_weights(tmp_
 
 def dequantized_hf(ckpt) -> dict[str, np.ndarray]:
     """HF-named float64 weights of a loaded checkpoint (what the quantized file really holds)."""
-    w = ckpt.weights
-    out = {"model.embed_tokens.weight": w.embed.dequantize(), "model.norm.weight": w.final_norm}
-    if w.lm_head is not w.embed:
-        out["lm_head.weight"] = w.lm_head.dequantize()
-    for i, layer in enumerate(w.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.input_norm
-        out[p + "post_attention_layernorm.weight"] = layer.post_norm
-        for name in ("q", "k", "v", "o"):
-            out[p + f"self_attn.{name}_proj.weight"] = getattr(layer, name).dequantize()
-        for name in ("gate", "up", "down"):
-            out[p + f"mlp.{name}_proj.weight"] = getattr(layer, name).dequantize()
-    return {k: np.asarray(v, np.float64) for k, v in out.items()}
+    return {k: np.asarray(v, np.float64) for k, v in dense_hf_state(ckpt.weights).items()}
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

@@ -53,3 +53,23 @@ class Checkpoint:
     tokenizer: Tokenizer
     path: str
     meta: dict[str, object] = field(default_factory=dict)
+
+
+def dense_hf_state(weights: ModelWeights) -> dict[str, np.ndarray]:
+    """Float32 weights under HF names, dequantized (what a quantized checkpoint really holds);
+    for exporting, comparing with other frameworks and tests. Dense (non-MoE) models."""
+    out = {"model.embed_tokens.weight": weights.embed.dequantize(), "model.norm.weight": weights.final_norm}
+    if weights.lm_head is not weights.embed:
+        out["lm_head.weight"] = weights.lm_head.dequantize()
+    for i, layer in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.input_norm
+        out[p + "post_attention_layernorm.weight"] = layer.post_norm
+        for name in ("q", "k", "v", "o"):
+            out[p + f"self_attn.{name}_proj.weight"] = getattr(layer, name).dequantize()
+        for name in ("gate", "up", "down"):
+            linear = getattr(layer, name)
+            if linear is None:
+                raise ValueError("dense_hf_state: MoE layers are not supported")
+            out[p + f"mlp.{name}_proj.weight"] = linear.dequantize()
+    return out
