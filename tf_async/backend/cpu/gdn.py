@@ -203,7 +203,6 @@ def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out):
                          beta[r, h], out[r, h], acc)
 
 
-@njit(nogil=True, cache=True, parallel=True)
 def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out):
     """The "chunked" multi-row form used for prompt steps: same arguments as
     `gated_delta_rule` (one stream), parallel over (v-head, block of dv value columns).
@@ -217,18 +216,9 @@ def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out):
     columns, which the delta rule never mixes: column j of S only ever reads k, q, v[j], g,
     beta. Every column therefore performs the same float32 operations, in the same order, as
     in `gated_delta_rule`, whatever the block size and thread count."""
-    num_v_heads, _, head_v_dim = state.shape
-    group = num_v_heads // q.shape[1]
-    num_blocks = (head_v_dim + DV_BLOCK - 1) // DV_BLOCK
-    for task in prange(num_v_heads * num_blocks):
-        h = task // num_blocks
-        j0 = (task % num_blocks) * DV_BLOCK
-        j1 = min(head_v_dim, j0 + DV_BLOCK)
-        hk = h // group
-        acc = np.empty(head_v_dim, np.float32)
-        for t in range(q.shape[0]):
-            _delta_token(state[h], j0, j1, q[t, hk], k[t, hk], v[t, h], g[t, h], beta[t, h],
-                         out[t, h], acc)
+    # One stream is the batch kernel with a single state slot (state[None] is a view).
+    rows = np.zeros(q.shape[0], np.int32)
+    gated_delta_rule_batch(q, k, v, g, beta, state[None], rows, out)
 
 
 # ---------------------------------------------------------------------------------------
