@@ -146,8 +146,9 @@ def round_bytes(weights, cfg, kv_itemsize: int, contexts: list[int]) -> int:  # 
 
 
 def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):  # noqa: ANN001, ANN201
-    """ForwardBatch of (lane, start_pos, token ids); lane i owns pages [i*P, (i+1)*P)."""
-    from tf_async.models.decoder import ForwardBatch
+    """ForwardBatch of (lane, start_pos, token ids); lane i owns pages [i*P, (i+1)*P).
+    Packed and uploaded in one copy (as the engine's runner does)."""
+    from tf_async.models.batch_io import pack_batch
 
     lanes = [lane for lane, _, _ in streams]
     table = np.array([[lane * pages_per_lane + p for p in range(pages_per_lane)] for lane in lanes], np.int32)
@@ -158,11 +159,8 @@ def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):  # noqa: AN
         pos += range(start, start + len(ids))
         seq += [i] * len(ids)
         logit_rows += range(base, base + len(ids)) if all_logits else [base + len(ids) - 1]
-    pos_a, seq_a = np.array(pos, np.int64), np.array(seq, np.int32)
-    slots = table[seq_a, pos_a // PAGE_SIZE].astype(np.int64) * PAGE_SIZE + pos_a % PAGE_SIZE
-    put = ops.asarray
-    return ForwardBatch(put(np.array(tokens, np.int64)), put(pos_a), put(slots), put(seq_a), put(table),
-                        put(np.array(logit_rows, np.int64)), PAGE_SIZE)
+    return pack_batch(ops, token_ids=tokens, positions=pos, row_seq=seq, block_table=table,
+                      logit_rows=logit_rows, page_size=PAGE_SIZE)
 
 
 def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lane: int) -> list[int]:  # noqa: ANN001, E501

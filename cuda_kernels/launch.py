@@ -9,6 +9,7 @@ bit-identical rows (same reduction order), so the choice never changes a token.
 from __future__ import annotations
 
 from cuda_kernels import attention as _attn
+from cuda_kernels import heads as _heads
 from cuda_kernels import kv as _kv
 from cuda_kernels import matmul as _mm
 from cuda_kernels import moe as _moe
@@ -16,6 +17,7 @@ from cuda_kernels import norm as _norm
 from cuda_kernels import sampling as _smp
 
 _MAX_GRID_1D = 65535 * 64
+MAX_HEAD_DIM = _heads.MAX_HEAD_DIM
 KV_KINDS = {"float32": "f32", "uint16": "bf16", "uint8": "fp8"}
 
 
@@ -30,10 +32,12 @@ def _grid_1d(total: int, threads: int) -> int:
     return max(1, min((total + threads - 1) // threads, _MAX_GRID_1D))
 
 
-def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False) -> None:  # noqa: ANN001, E501
+def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: ANN001, E501
+           epilogue="store") -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
-    placeholder int32 array). path: 'few', 'many' or None (by row count)."""
+    placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
+    'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I])."""
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
@@ -42,10 +46,10 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
             raise ValueError(f"matmul {name}: the last axis must be contiguous 4-byte elements")
     align = 4 * _mm.X_BATCH[kind]  # vector loads of x need every row start aligned
     vec_x = _address(x) % align == 0 and x.strides[0] % align == 0
-    variant = _mm.plan(rows, out_features, path, vec_x, grouped)
+    variant = _mm.plan(rows, w.shape[1], path, vec_x, grouped)
     group_words = group_size // _mm.PER_WORD[kind] if kind in ("q4", "q8") else 0
-    kernel = _mm.matmul_kernel(kind, variant, group_words, grouped)
-    grid, block = _mm.launch_shape(rows, out_features, variant)
+    kernel = _mm.matmul_kernel(kind, variant, group_words, grouped, epilogue)
+    grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
 
 
@@ -76,6 +80,15 @@ def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # n
         KV_KINDS[str(kv_layer.dtype)]
     ]
     _go(kernel, (k.shape[0], 2), _kv.KV_THREADS, stream, k, v, kv_layer, slots, k_scale, v_scale)
+
+
+def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,  # noqa: ANN001
+                k_scale, v_scale, q_out, stream=None) -> None:
+    """q|k|v rows -> normed, roped q_out [rows, nh, hd]; K and V into kv_layer at slots."""
+    kernel = _heads.KERNELS[KV_KINDS[str(kv_layer.dtype)]]
+    grid = (qkv.shape[0], q_out.shape[1] + 2 * kv_layer.shape[2])
+    _go(kernel, grid, _heads.HEAD_THREADS, stream, qkv, q_norm, k_norm, use_norm, eps, positions,
+        inv_freq, mscale, kv_layer, slots, k_scale, v_scale, q_out)
 
 
 def zero_pages(kv_flat, page_ids, page_size, stream=None) -> None:  # noqa: ANN001

@@ -31,6 +31,7 @@ stay 32 contiguous bytes (a 16-byte chunk per lane would spread one x load over 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,7 @@ class Variant:
     feats: int  # output features per warp
     unroll: int  # words per lane and feature loaded ahead (per step)
     vec_x: bool  # x rows 16-byte aligned: vector loads of x
+    warps: int = WARPS_PER_BLOCK  # warps per block
 
 
 # Memory access through "row references": the address of a row's first element on the GPU
@@ -274,17 +276,24 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
     return fetch
 
 
-def _make_refs(variant: Variant, affine: bool):  # noqa: ANN202
+def _make_refs(variant: Variant, affine: bool, swiglu: bool):  # noqa: ANN202
     rows_tile, feats = variant.rows_tile, variant.feats
+    half = feats // 2
 
     @cuda.jit(device=True)
     def refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows):  # noqa: ANN001, ANN202, E501
         # Row references of the block's rows and the warp's features (clamped: rows and
         # features past the end are computed on a copy of the last one and not stored).
+        # swiglu: w is [gate; up] (2*I rows); the warp's first half of features are gate
+        # rows feat0.., its second half the up rows I + feat0.. of the same outputs.
         for r in range(rows_tile):
             x_rows[r] = _row2(x, min(row0 + r, x.shape[0] - 1))
         for f in range(feats):
-            feat = min(feat0 + f, w.shape[1] - 1)
+            if swiglu:
+                inter = w.shape[1] // 2
+                feat = min(feat0 + f % half, inter - 1) + (inter if f >= half else 0)
+            else:
+                feat = min(feat0 + f, w.shape[1] - 1)
             w_rows[f] = _row3(w, expert, feat)
             if affine:
                 s_rows[f], b_rows[f] = _row3(scales, expert, feat), _row3(biases, expert, feat)
@@ -338,42 +347,90 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
     return word_step
 
 
-def _make_store(variant: Variant):  # noqa: ANN202
+@cuda.jit(device=True)
+def _swiglu(g, u):  # noqa: ANN001, ANN202
+    # silu(g) * u, the same expression as norm.silu_mul (same bits)
+    sig = np.float32(1.0) / (np.float32(1.0) + math.exp(-g))
+    return (g * sig) * u
+
+
+def _make_put(epilogue: str):  # noqa: ANN202
+    """put(out, row, feat, total, up_total): write one output element.
+    'store': out = total; 'add': out += total (a residual: out holds h, the same bits as
+    h + (x @ W.T)); 'swiglu': out = silu(total) * up_total."""
+    if epilogue == "add":
+
+        @cuda.jit(device=True)
+        def put_add(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+            out[row, feat] = out[row, feat] + total
+
+        return put_add
+    if epilogue == "swiglu":
+
+        @cuda.jit(device=True)
+        def put_swiglu(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+            out[row, feat] = _swiglu(total, up_total)
+
+        return put_swiglu
+
+    @cuda.jit(device=True)
+    def put_store(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+        out[row, feat] = total
+
+    return put_store
+
+
+def _make_store(variant: Variant, epilogue: str):  # noqa: ANN202
     rows_tile, feats = variant.rows_tile, variant.feats
     if SIMULATOR:
-        return _make_store_simulated(variant)
+        return _make_store_simulated(variant, epilogue)
+    put = _make_put(epilogue)
+    outs = feats // 2 if epilogue == "swiglu" else feats  # outputs per warp
+    up_at = feats // 2 if epilogue == "swiglu" else 0
 
     @cuda.jit(device=True)
     def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
         for r in range(rows_tile):
-            for f in range(feats):
+            for f in range(outs):
                 total = warp_sum(acc[r * feats + f])  # every lane: uniform flow
+                up_total = warp_sum(acc[r * feats + up_at + f]) if up_at else total
                 if lane == 0 and row0 + r < out.shape[0] and feat0 + f < out.shape[1]:
-                    out[row0 + r, feat0 + f] = total
+                    put(out, row0 + r, feat0 + f, total, up_total)
 
     return store
 
 
-def _make_store_simulated(variant: Variant):  # noqa: ANN202
+def _make_store_simulated(variant: Variant, epilogue: str):  # noqa: ANN202
     # The simulator has no shuffles and each emulated one costs two block barriers, so lane 0
     # evaluates the same butterfly tree (offsets 16, 8, 4, 2, 1) from shared memory: the
     # same float32 additions, one barrier.
-    num_acc, feats = variant.rows_tile * variant.feats, variant.feats
+    num_acc, feats, warps = variant.rows_tile * variant.feats, variant.feats, variant.warps
+    put = _make_put(epilogue)
+    outs = feats // 2 if epilogue == "swiglu" else feats
+    up_at = feats // 2 if epilogue == "swiglu" else 0
+
+    @cuda.jit(device=True)
+    def tree(buf, warp, a):  # noqa: ANN001, ANN202
+        v = buf[warp, a].copy()
+        for offset in (16, 8, 4, 2, 1):
+            v = v + v[np.arange(32) ^ offset]
+        return v[0]
 
     @cuda.jit(device=True)
     def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
-        buf = cuda.shared.array((WARPS_PER_BLOCK, num_acc, 32), np.float32)
+        buf = cuda.shared.array((warps, num_acc, 32), np.float32)
         warp = cuda.threadIdx.x // 32
         for a in range(num_acc):
             buf[warp, a, lane] = acc[a]
         cuda.syncthreads()
         for a in range(num_acc if lane == 0 else 0):
-            v = buf[warp, a].copy()
-            for offset in (16, 8, 4, 2, 1):
-                v = v + v[np.arange(32) ^ offset]
-            row, feat = row0 + a // feats, feat0 + a % feats
-            if row < out.shape[0] and feat < out.shape[1]:
-                out[row, feat] = v[0]
+            r, f = a // feats, a % feats
+            if f >= outs:
+                continue
+            total = tree(buf, warp, a)
+            up_total = tree(buf, warp, a + up_at) if up_at else total
+            if row0 + r < out.shape[0] and feat0 + f < out.shape[1]:
+                put(out, row0 + r, feat0 + f, total, up_total)
 
     return store
 
@@ -410,21 +467,24 @@ def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
     return full_step, last_step
 
 
-def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool):  # noqa: ANN202
+def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, epilogue: str):  # noqa: ANN202
     xb, rows_tile, feats, unroll = X_BATCH[kind], variant.rows_tile, variant.feats, variant.unroll
+    warps = variant.warps
+    outs = feats // 2 if epilogue == "swiglu" else feats  # output features per warp
     affine = kind in ("q4", "q8")
     slots, num_acc, num_wd, num_sv = unroll * feats, rows_tile * feats, feats * xb, 2 * feats
-    fetch, refs = _make_fetch(variant), _make_refs(variant, affine)
+    fetch, refs = _make_fetch(variant), _make_refs(variant, affine, epilogue == "swiglu")
     full_step, last_step = _make_steps(kind, variant, group_words)
-    prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant)
+    prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant, epilogue)
 
     @cuda.jit
     def kernel(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
         # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32
+        # (swiglu: out_f = w's rows / 2; add: out holds the residual, updated in place)
         lane = cuda.threadIdx.x % 32
-        feat0 = (cuda.blockIdx.y * WARPS_PER_BLOCK + cuda.threadIdx.x // 32) * feats
+        feat0 = (cuda.blockIdx.y * warps + cuda.threadIdx.x // 32) * outs
         row0 = cuda.blockIdx.x * rows_tile
         x_rows = cuda.local.array(rows_tile, _REF)
         w_rows = cuda.local.array(feats, _REF)
@@ -456,26 +516,33 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool): 
     return kernel
 
 
-_KERNELS: dict[tuple[str, Variant, int, bool], object] = {}
+EPILOGUES = ("store", "add", "swiglu")
+_KERNELS: dict[tuple[str, Variant, int, bool, str], object] = {}
 
 
-def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bool = False):  # noqa: ANN201
+def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bool = False,  # noqa: ANN201
+                  epilogue: str = "store"):
     """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4') and `variant`; group_words:
     words per scale group (affine kinds; a compile-time constant), 0 for dense kinds;
-    grouped (MoE: each row's own expert) needs rows_tile 1."""
+    grouped (MoE: each row's own expert) needs rows_tile 1. epilogue: 'store' (out = x @ W.T),
+    'add' (out += x @ W.T) or 'swiglu' (W = [gate; up]: out = silu(x @ gate.T) * (x @ up.T),
+    an even number of features per warp)."""
     if grouped and variant.rows_tile != 1:
         raise ValueError("grouped (MoE) matmul runs one row per block")
     if (kind in ("q4", "q8")) != (group_words > 0):
         raise ValueError(f"{kind}: group_words {group_words}")
-    key = (kind, variant, group_words, grouped)
+    if epilogue not in EPILOGUES or (epilogue == "swiglu" and variant.feats % 2):
+        raise ValueError(f"matmul epilogue {epilogue!r} with {variant.feats} features a warp")
+    key = (kind, variant, group_words, grouped, epilogue)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, variant, group_words, grouped)
+        _KERNELS[key] = _make_kernel(kind, variant, group_words, grouped, epilogue)
     return _KERNELS[key]
 
 
 def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = False) -> Variant:
     """The variant of a launch (none changes a row's bits). 'few' (decode, memory bound):
-    1 or 2 rows a block, 8 (4 at 2 rows) words per feature and lane in flight. 'many':
+    1 row a block with 2 features a warp and 8 words per feature and lane in flight, or 2
+    rows with 4 words. 'many':
     4 rows a block and 8 features a warp, or MANY_ROWS_TILE rows and 4 features past 4
     rows; one step of words in flight, each decoded element feeds every row. Narrow
     outputs get half the features per warp so that the grid still covers the 132 SMs."""
@@ -484,15 +551,18 @@ def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = F
         if rows <= 4:
             return Variant(4, 8 // narrow, 1, vec_x)
         return Variant(MANY_ROWS_TILE, 4 // narrow, 1, vec_x)
-    rows_tile = 1 if rows <= 1 or grouped else 2
-    return Variant(rows_tile, 4 // narrow, 8 if rows_tile == 1 else 4, vec_x)
+    if rows <= 1 or grouped:  # 2 features, 8 words each in flight: the fastest on an H200
+        return Variant(1, 2, 8, vec_x)  # (benchmarks/bench_matmul_variants.py, every shape)
+    return Variant(2, 4 // narrow, 4, vec_x)
 
 
-def launch_shape(rows: int, out_features: int, variant: Variant) -> tuple[tuple[int, int], int]:
-    """(grid, block) for a matmul kernel: grid (row tiles, feature blocks)."""
-    per_block = WARPS_PER_BLOCK * variant.feats
+def launch_shape(rows: int, out_features: int, variant: Variant, epilogue: str = "store"
+                 ) -> tuple[tuple[int, int], int]:
+    """(grid, block) for a matmul kernel: grid (row tiles, feature blocks); out_features:
+    the output's columns (for 'swiglu' half the weight's rows)."""
+    per_block = variant.warps * (variant.feats // 2 if epilogue == "swiglu" else variant.feats)
     grid_rows = (rows + variant.rows_tile - 1) // variant.rows_tile
-    return (grid_rows, (out_features + per_block - 1) // per_block), MATMUL_THREADS
+    return (grid_rows, (out_features + per_block - 1) // per_block), 32 * variant.warps
 
 
 @cuda.jit

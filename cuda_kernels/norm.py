@@ -16,18 +16,39 @@ NORM_THREADS = 128
 ELEMWISE_THREADS = 256
 
 
-@cuda.jit
-def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
-    # x, out: [rows, dim] f32; w: [dim] f32. Thread t sums x[t], x[t+128], ... in order,
-    # then a shared-memory tree halves 128 -> 1 in a fixed order.
-    partial = cuda.shared.array(NORM_THREADS, np.float32)
-    row = cuda.blockIdx.x
+@cuda.jit(device=True)
+def sum_squares(x, row, base, dim):  # noqa: ANN001, ANN201
+    # Thread t: fma(x_i, x_i, acc) for i = t, t + NORM_THREADS, ... ascending (x[row, base + i]).
+    # Eight loads are issued before their fmas (one memory round trip per eight elements
+    # instead of one each); the fmas keep the order, so the bits are those of the plain loop.
     tid = cuda.threadIdx.x
-    dim = x.shape[1]
     acc = np.float32(0.0)
-    for i in range(tid, dim, NORM_THREADS):
-        xi = x[row, i]
+    i = tid
+    while i + 7 * NORM_THREADS < dim:
+        x0, x1 = x[row, base + i], x[row, base + i + NORM_THREADS]
+        x2, x3 = x[row, base + i + 2 * NORM_THREADS], x[row, base + i + 3 * NORM_THREADS]
+        x4, x5 = x[row, base + i + 4 * NORM_THREADS], x[row, base + i + 5 * NORM_THREADS]
+        x6, x7 = x[row, base + i + 6 * NORM_THREADS], x[row, base + i + 7 * NORM_THREADS]
+        acc = cuda.fma(x0, x0, acc)
+        acc = cuda.fma(x1, x1, acc)
+        acc = cuda.fma(x2, x2, acc)
+        acc = cuda.fma(x3, x3, acc)
+        acc = cuda.fma(x4, x4, acc)
+        acc = cuda.fma(x5, x5, acc)
+        acc = cuda.fma(x6, x6, acc)
+        acc = cuda.fma(x7, x7, acc)
+        i += 8 * NORM_THREADS
+    while i < dim:
+        xi = x[row, base + i]
         acc = cuda.fma(xi, xi, acc)
+        i += NORM_THREADS
+    return acc
+
+
+@cuda.jit(device=True)
+def inv_rms_of(acc, dim, eps, partial):  # noqa: ANN001, ANN201
+    # The block's partial sums -> 1 / rms: a shared-memory tree halving NORM_THREADS -> 1.
+    tid = cuda.threadIdx.x
     partial[tid] = acc
     cuda.syncthreads()
     stride = NORM_THREADS // 2
@@ -36,9 +57,31 @@ def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
             partial[tid] = partial[tid] + partial[tid + stride]
         cuda.syncthreads()
         stride //= 2
-    inv_rms = np.float32(1.0) / math.sqrt(partial[0] / np.float32(dim) + np.float32(eps))
-    for i in range(tid, dim, NORM_THREADS):
+    return np.float32(1.0) / math.sqrt(partial[0] / np.float32(dim) + np.float32(eps))
+
+
+@cuda.jit
+def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
+    # x, out: [rows, dim] f32; w: [dim] f32. Thread t sums x[t], x[t+128], ... in order,
+    # then a shared-memory tree halves 128 -> 1 in a fixed order.
+    partial = cuda.shared.array(NORM_THREADS, np.float32)
+    row = cuda.blockIdx.x
+    dim = x.shape[1]
+    inv_rms = inv_rms_of(sum_squares(x, row, 0, dim), dim, eps, partial)
+    i = cuda.threadIdx.x
+    while i + 3 * NORM_THREADS < dim:  # four elements' loads in flight
+        a0, a1 = x[row, i], x[row, i + NORM_THREADS]
+        a2, a3 = x[row, i + 2 * NORM_THREADS], x[row, i + 3 * NORM_THREADS]
+        w0, w1 = w[i], w[i + NORM_THREADS]
+        w2, w3 = w[i + 2 * NORM_THREADS], w[i + 3 * NORM_THREADS]
+        out[row, i] = (a0 * inv_rms) * w0
+        out[row, i + NORM_THREADS] = (a1 * inv_rms) * w1
+        out[row, i + 2 * NORM_THREADS] = (a2 * inv_rms) * w2
+        out[row, i + 3 * NORM_THREADS] = (a3 * inv_rms) * w3
+        i += 4 * NORM_THREADS
+    while i < dim:
         out[row, i] = (x[row, i] * inv_rms) * w[i]
+        i += NORM_THREADS
 
 
 @cuda.jit

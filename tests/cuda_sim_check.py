@@ -384,6 +384,62 @@ def check_norm_rope_silu(rng: np.random.Generator) -> None:
     assert rel_err(out, silu_mul_ref(gate, up)) < 1e-6
 
 
+def check_fused_layer_ops(rng: np.random.Generator) -> None:
+    """The fused decode ops give the bits of the ops they replace: matmul epilogues 'add'
+    (residual) and 'swiglu' (gate|up), and attn_inputs == rms_norm + rope + kv_write."""
+    from cuda_kernels import launch
+
+    rows, in_f, inter = 3, 256, 10
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    placeholder = np.zeros(1, np.int32)
+    codes, scales, biases, _ = affine_weight(rng, 1, 2 * inter, in_f, 4, 64)
+    for path in ("few", "many"):
+        plain = np.full((rows, 2 * inter), np.nan, np.float32)
+        launch.matmul("q4", x, codes, scales, biases, 64, placeholder, plain, path=path)
+        resid = rng.standard_normal((rows, 2 * inter)).astype(np.float32)
+        added = resid.copy()
+        launch.matmul("q4", x, codes, scales, biases, 64, placeholder, added, path=path, epilogue="add")
+        assert np.array_equal(added, resid + plain), path
+        fused = np.full((rows, inter), np.nan, np.float32)
+        launch.matmul("q4", x, codes, scales, biases, 64, placeholder, fused, path=path, epilogue="swiglu")
+        want = np.full((rows, inter), np.nan, np.float32)
+        launch.silu_mul(np.ascontiguousarray(plain[:, :inter]), np.ascontiguousarray(plain[:, inter:]), want)
+        assert np.array_equal(fused, want), path
+    _check_attn_inputs(rng)
+
+
+def _check_attn_inputs(rng: np.random.Generator) -> None:
+    from cuda_kernels import launch
+
+    rows, nh, nkv, hd, num_slots = 3, 4, 2, 16, 12
+    qkv = rng.standard_normal((rows, (nh + 2 * nkv) * hd)).astype(np.float32)
+    q_norm, k_norm = (1 + 0.1 * rng.standard_normal((2, hd))).astype(np.float32)
+    pos, slots = np.array([0, 9, 70000], np.int64), np.array([5, 0, 11], np.int64)
+    inv_freq = (10000.0 ** (-np.arange(0, 12, 2) / 12)).astype(np.float32)  # partial rotary
+    scales, eps, mscale = (np.float32(0.5), np.float32(0.25)), np.float32(1e-6), 1.1
+    for kind, dtype, use_norm in (("f32", np.float32, True), ("bf16", np.uint16, False), ("fp8", np.uint8, True)):
+        if True:
+            q_sep = qkv[:, : nh * hd].reshape(rows, nh, hd).copy()
+            k_sep = qkv[:, nh * hd : (nh + nkv) * hd].reshape(rows, nkv, hd).copy()
+            v_sep = qkv[:, (nh + nkv) * hd :].reshape(rows, nkv, hd).copy()
+            if use_norm:
+                for t, w in ((q_sep, q_norm), (k_sep, k_norm)):
+                    flat = t.reshape(-1, hd)
+                    normed = np.full_like(flat, np.nan)
+                    launch.rms_norm(flat, w, eps, normed)
+                    t[...] = normed.reshape(t.shape)
+            launch.rope(q_sep, pos, inv_freq, mscale)
+            launch.rope(k_sep, pos, inv_freq, mscale)
+            want_kv = np.zeros((2, num_slots, nkv, hd), dtype)
+            launch.kv_write(k_sep, v_sep, want_kv, slots, *scales)
+            kv_layer = np.zeros_like(want_kv)
+            q_out = np.full((rows, nh, hd), np.nan, np.float32)
+            launch.attn_inputs(qkv, q_norm, k_norm, use_norm, eps, pos, inv_freq, mscale, kv_layer, slots,
+                               *scales, q_out)
+            assert np.array_equal(q_out, q_sep), (kind, use_norm)
+            assert np.array_equal(kv_layer.view(np.uint8), want_kv.view(np.uint8)), (kind, use_norm)
+
+
 def check_moe(rng: np.random.Generator) -> None:
     from cuda_kernels import launch
 
@@ -494,6 +550,7 @@ CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "zero_and_rings": check_zero_and_rings,
     "norm_rope_silu": check_norm_rope_silu,
     "moe": check_moe,
+    "fused_layer_ops": check_fused_layer_ops,
     "sampling": check_sampling,
     "cpu_twins": check_cpu_twins,
 }

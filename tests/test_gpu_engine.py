@@ -171,14 +171,30 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_ckpts, name, kv_dtype) -> N
 def test_graph_decoder_refuses_bad_indices(tiny_ckpts) -> None:  # noqa: ANN001
     from tf_async.backend.cuda_ops import CudaOps
     from tf_async.errors import BadInputError
+    from tf_async.models.batch_io import pack_batch
     from tf_async.models.graph_decoder import GraphDecoder
 
     ops = CudaOps()
     graphed = GraphDecoder(Decoder(tiny_ckpts["llama-f32"], ops))
     arena = _arena(ops, graphed, "f32", 4, 16)
+    # Separate device arrays (no host copy): the device check.
     bad = _batch(ops, [(0, 0, [999_999])], pages_per_lane=4, page_size=16, all_logits=True)
     with pytest.raises(BadInputError, match="out of range"):
         graphed.forward(bad, arena.kv, arena.kv_scales)
+    # A packed batch (the runner's): the host check, each kind of bad index.
+    table = np.array([[0, 1, 2, 99]], np.int32)
+    good = dict(token_ids=[5], positions=[3], row_seq=[0], block_table=table, logit_rows=[0],
+                page_size=16)
+    for kind, change in (("token_ids", dict(token_ids=[999_999])), ("slots", dict(slots=[64])),
+                         ("row_seq", dict(row_seq=[1], slots=[3])),
+                         ("positions", dict(positions=[64], slots=[3])),
+                         ("block_table", dict(positions=[50], slots=[3])),
+                         ("logit_rows", dict(logit_rows=[1]))):
+        with pytest.raises(BadInputError, match=rf"out of range \({kind};"):
+            graphed.forward(pack_batch(ops, **{**good, **change}), arena.kv, arena.kv_scales)
+    assert not graphed._graphs  # nothing was captured
+    logits, _ = graphed.forward(pack_batch(ops, **good), arena.kv, arena.kv_scales)
+    assert logits.shape[0] == 1 and len(graphed._graphs) == 1
 
 
 def _gpu_cpu_error(ckpt: Checkpoint, prompt: list[int]) -> float:

@@ -246,6 +246,46 @@ def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
     assert ops.to_host(kv)[1, :, 5].any()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) -> None:  # noqa: ANN001
+    """Qwen3-8B sizes: concat_linears views == the originals, linear_into == h + linear,
+    swiglu_linear == silu_mul of two linears, attn_inputs == rms_norm + rope + kv_write;
+    bit for bit, fresh random inputs, outputs poisoned."""
+    from tf_async.models.weights import quantize_affine
+
+    nh, nkv, hd, hidden, inter = 32, 8, 128, 4096, 1024
+    xp = ops.xp
+    mats = [ops.upload_linear(quantize_affine(rng.standard_normal((n, hidden)).astype(np.float32), 4, 64))
+            for n in (nh * hd, nkv * hd, nkv * hd, inter, inter)]
+    qkv_w, views = ops.concat_linears(mats[:3])
+    for view, orig in zip(views, mats[:3], strict=True):
+        assert all(bool(xp.array_equal(getattr(view, f), getattr(orig, f))) for f in ("codes", "scales", "biases"))
+    gate_up, _ = ops.concat_linears(mats[3:])
+    x = ops.asarray(rng.standard_normal((rows, hidden)).astype(np.float32))
+    h = ops.asarray(rng.standard_normal((rows, nh * hd)).astype(np.float32))
+    want = h + ops.linear(x, mats[0])
+    assert bool(xp.array_equal(ops.linear_into(x, mats[0], h.copy()), want))
+    want = ops.silu_mul(ops.linear(x, mats[3]), ops.linear(x, mats[4]))
+    assert bool(xp.array_equal(ops.swiglu_linear(x, gate_up), want))
+    qkv = ops.linear(x, qkv_w)
+    norms = [ops.asarray((1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2)]
+    inv_freq = ops.asarray((1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32))
+    pos = ops.asarray(rng.integers(0, 40000, rows).astype(np.int64))
+    slots = ops.asarray(rng.permutation(256)[:rows].astype(np.int64))
+    scales = ops.asarray(np.array([[0.5, 0.25]] * 2, np.float32)) if kv_dtype == "fp8" else None
+    kv_want, kv_got = ops.alloc_kv(2, 256, nkv, hd, kv_dtype), ops.alloc_kv(2, 256, nkv, hd, kv_dtype)
+    q = ops.rms_norm(xp.ascontiguousarray(qkv[:, : nh * hd].reshape(rows, nh, hd)), norms[0], 1e-6)
+    k = ops.rms_norm(xp.ascontiguousarray(qkv[:, nh * hd : (nh + nkv) * hd].reshape(rows, nkv, hd)), norms[1], 1e-6)
+    v = xp.ascontiguousarray(qkv[:, (nh + nkv) * hd :].reshape(rows, nkv, hd))
+    ops.rope(q, pos, inv_freq, 1.0)
+    ops.rope(k, pos, inv_freq, 1.0)
+    ops.kv_write(kv_want, 1, k, v, slots, scales)
+    got = ops.attn_inputs(qkv, *norms, 1e-6, pos, inv_freq, 1.0, kv_got, 1, slots, scales, nh)
+    assert bool(xp.array_equal(got, q))
+    assert bool(xp.array_equal(kv_got.view(xp.uint8), kv_want.view(xp.uint8)))
+
+
 def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
     x = rng.standard_normal((64, 4096)).astype(np.float32)
     w = rng.standard_normal(4096).astype(np.float32)

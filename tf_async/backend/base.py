@@ -34,3 +34,31 @@ class Ops(Protocol):
     def alloc_kv(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str) -> Array: ...
     def synchronize(self) -> None: ...
+
+
+class DeviceSampler(Protocol):
+    """Optional Ops capability: choose tokens where the logits are, so that only token ids
+    travel to the host (the CUDA backend; cuda_kernels/sampling.py has the semantics).
+    Backends without it (the CPU) keep the host sampler, engine/sampling.py."""
+
+    def argmax(self, logits: Array) -> Array:
+        """logits [rows, V] float32 -> [rows] int64: the largest logit, ties: lowest id."""
+        ...
+
+    def sample(self, logits: Array, temperatures: Array, top_ks: Array, top_ps: Array,
+               seeds: Array, positions: Array) -> Array:
+        """Seeded top-k/top-p token per row, randomness from (seed, position) only;
+        temperature <= 0 is argmax. temperatures, top_ps float32; top_ks int32; seeds
+        uint64; positions int64, all [rows] on the device -> [rows] int64."""
+        ...
+
+
+def device_sampler(ops: Any) -> DeviceSampler | None:
+    """`ops` itself when it chooses tokens on the device (has `argmax` and `sample`), else
+    None. An Ops may opt out with `chooses_tokens = False` (e.g. one that has the kernels
+    only as twins for tests)."""
+    if not getattr(ops, "chooses_tokens", True):
+        return None
+    if callable(getattr(ops, "argmax", None)) and callable(getattr(ops, "sample", None)):
+        return ops  # type: ignore[no-any-return]
+    return None

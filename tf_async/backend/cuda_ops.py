@@ -132,6 +132,7 @@ class CudaOps:
         self._streams: dict[int, Any] = {}
         self._no_experts = self.xp.zeros(1, dtype=self.xp.int32)
         self._no_scales = self.xp.zeros((1, 1, 1), dtype=self.xp.float32)
+        self._no_norm = self.xp.ones(1, dtype=self.xp.float32)
         self.device_checks = True  # False inside unchecked(): no host syncs on index bounds
         self._host_scales: tuple[Any, np.ndarray] | None = None  # (kv_scales, host copy)
 
@@ -210,7 +211,8 @@ class CudaOps:
             out += bias
         return out.reshape(*x.shape[:-1], w.out_features)
 
-    def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None) -> None:
+    def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None,
+                epilogue: str = "store") -> None:
         # rows [n, in] f32; w 2-D, or 3-D stacked experts when expert_ids [n] int32 is given.
         kind, words, scales, biases, group_size = self._weight_parts(w)
         if words.ndim != (3 if expert_ids is not None else 2):
@@ -223,7 +225,92 @@ class CudaOps:
         ids = expert_ids if grouped else self._no_experts
         args = [self._dev(a) for a in (rows, words, scales, biases)]
         self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
-                            path=path, grouped=grouped)
+                            path=path, grouped=grouped, epilogue=epilogue)
+
+    # ------------------------------------------------------------------ fused layer ops
+    # The decoder's fast path on this backend (Decoder checks `fused_layers`): one matmul for
+    # q|k|v and one for gate|up, the residual added by the matmul that produces it, and the
+    # attention inputs prepared in one launch. Each gives the bits of the ops it replaces.
+    fused_layers = True
+
+    def concat_linears(self, ws: list[Linear]) -> tuple[Linear, list[Linear]] | None:
+        """One weight whose rows are those of ws one after another, and views of it equal to
+        each of ws (so the originals can go); None when ws are not all of one kind."""
+        xp = self.xp
+        first = ws[0]
+        if isinstance(first, AffineWeight) and all(
+                isinstance(w, AffineWeight) and (w.bits, w.group_size, w.in_features, w.codes.ndim)
+                == (first.bits, first.group_size, first.in_features, 2) for w in ws):
+            codes, scales, biases = (xp.concatenate([getattr(w, f) for w in ws])
+                                     for f in ("codes", "scales", "biases"))
+            whole: Linear = AffineWeight(codes, scales, biases, first.bits, first.group_size)
+        elif isinstance(first, DenseWeight) and all(
+                isinstance(w, DenseWeight) and w.w.dtype == first.w.dtype and w.w.ndim == 2
+                and w.in_features == first.in_features for w in ws):
+            whole = DenseWeight(xp.concatenate([w.w for w in ws if isinstance(w, DenseWeight)]))
+        else:
+            return None
+        views, start = [], 0
+        for w in ws:
+            stop = start + w.out_features
+            views.append(_rows_of(whole, start, stop))
+            start = stop
+        return whole, views
+
+    def linear_into(self, x: Any, w: Linear, out: Any) -> Any:
+        """out += x @ w.T in place (out [rows, out_f]: a residual); the bits of out + linear(x, w)."""
+        check_array(x, "linear_into x", np.float32, 2, xp=self.xp)
+        check_array(out, "linear_into out", np.float32, 2, xp=self.xp)
+        check_shape(x, "linear_into x", (out.shape[0], w.in_features))
+        check_shape(out, "linear_into out", (x.shape[0], w.out_features))
+        if x.shape[0]:
+            self._matmul(x, w, out, None, epilogue="add")
+        return out
+
+    def swiglu_linear(self, x: Any, gate_up: Linear) -> Any:
+        """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (concat_linears); the bits of
+        silu_mul(linear(x, gate), linear(x, up))."""
+        check_array(x, "swiglu_linear x", np.float32, 2, xp=self.xp)
+        if x.shape[1] != gate_up.in_features or gate_up.out_features % 2:
+            raise BadInputError(f"swiglu_linear: x {x.shape}, weight {gate_up.out_features}x{gate_up.in_features}")
+        out = self.xp.empty((x.shape[0], gate_up.out_features // 2), self.xp.float32)
+        if x.shape[0]:
+            self._matmul(x, gate_up, out, None, epilogue="swiglu")
+        return out
+
+    def attn_inputs(self, qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float, positions: Any,
+                    inv_freq: Any, mscale: float, kv: Any, layer: int, slots: Any, kv_scales: Any | None,
+                    num_heads: int) -> Any:
+        """From q|k|v rows [rows, (nh + 2 nkv) hd]: q [rows, nh, hd] normed (q_norm) and roped;
+        k normed (k_norm), roped and v, both stored at `slots` of `layer`. The bits of rms_norm,
+        rope and kv_write one after another."""
+        xp = self.xp
+        check_kv(kv, layer, xp)
+        nkv, hd = kv.shape[3], kv.shape[4]
+        check_array(qkv, "attn_inputs qkv", np.float32, 2, xp=xp)
+        check_shape(qkv, "attn_inputs qkv", (slots.shape[0], (num_heads + 2 * nkv) * hd))
+        check_array(positions, "attn_inputs positions", np.int64, 1, xp=xp)
+        check_array(slots, "attn_inputs slots", np.int64, 1, xp=xp)
+        check_shape(positions, "attn_inputs positions", slots.shape)
+        check_array(inv_freq, "attn_inputs inv_freq", np.float32, 1, xp=xp)
+        if 2 * inv_freq.shape[0] > hd or hd > self._launch.MAX_HEAD_DIM:
+            raise BadInputError(f"attn_inputs: head_dim {hd} (at most {self._launch.MAX_HEAD_DIM}), "
+                                f"rotary dims {2 * inv_freq.shape[0]}")
+        use_norm = q_norm is not None
+        norms = (q_norm, k_norm) if use_norm else (self._no_norm, self._no_norm)
+        for arr, name in zip(norms, ("q_norm", "k_norm"), strict=True):
+            check_array(arr, f"attn_inputs {name}", np.float32, 1, xp=xp)
+            if use_norm:
+                check_shape(arr, f"attn_inputs {name}", (hd,))
+        self._range(slots, "attn_inputs slots", 0, kv.shape[2])
+        k_scale, v_scale = self._scales(kv_scales, kv, layer)
+        q = xp.empty((slots.shape[0], num_heads, hd), xp.float32)
+        if slots.shape[0]:
+            args = [self._dev(a) for a in (qkv, *norms)]
+            self._launch.attn_inputs(*args, use_norm, np.float32(eps), self._dev(positions), self._dev(inv_freq),
+                                     float(mscale), self._dev(kv[layer]), self._dev(slots), k_scale, v_scale,
+                                     self._dev(q), self._stream())
+        return q
 
     def _weight_parts(self, w: Linear) -> tuple[str, Any, Any, Any, int]:
         if isinstance(w, AffineWeight):
@@ -473,6 +560,14 @@ class CudaOps:
             parts = [self._dev(a) for a in (logits, temperatures, top_ks, top_ps, seeds, positions, out)]
             self._launch.sample(*parts, self._stream())
         return out
+
+
+def _rows_of(w: Linear, start: int, stop: int) -> Linear:
+    """Rows [start, stop) of a 2-D weight, as a view."""
+    if isinstance(w, AffineWeight):
+        return AffineWeight(w.codes[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
+    assert isinstance(w, DenseWeight)
+    return DenseWeight(w.w[start:stop])
 
 
 def _num_pages(kv: Any, page_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Runner: turns a RoundPlan into one forward call over the arena and returns logits.
+"""Runner: turns a RoundPlan into one forward call over the arena and returns logits, or
+the tokens themselves where the ops choose them on the device.
 
 It owns the arena (the KV memory of the engine, allocated once) and is the only place that
 touches arrays on the step path. Hybrid models also keep each lane's recurrent state (the
@@ -14,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backend.base import Ops
+from ..backend.base import DeviceSampler, Ops, device_sampler
+from ..models.batch_io import pack_batch
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
-from .sequence import RoundPlan, RoundResult, SeqRows
+from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
 
 KV_DTYPES = ("f32", "bf16", "fp8")
 
@@ -59,6 +61,9 @@ class Runner:
         self._state_touched = False  # the decoder's forward ran (recurrent state may be advanced)
         # Tests set this to raise inside a step for chosen requests (failure injection).
         self.fault_injector: Callable[[SeqRows], None] | None = None
+        # Ops that choose tokens where the logits are (CUDA): rows with `choices` send only
+        # token ids to the host. None (CPU): every logit row goes to the host sampler.
+        self.sampler: DeviceSampler | None = device_sampler(self.ops)
 
     def zero_pages(self, page_ids: list[int] | tuple[int, ...]) -> None:
         if page_ids:
@@ -110,6 +115,7 @@ class Runner:
     def _isolate(self, plan: RoundPlan, saved: tuple[int, ...] = ()) -> RoundResult:
         logits: dict[int, np.ndarray] = {}
         hidden: dict[int, Any] = {}
+        tokens: dict[int, list[int]] = {}
         failed = self._lost_states(plan, saved)
         for rows in plan.rows:
             if rows.request_id in failed:
@@ -121,7 +127,8 @@ class Runner:
                 continue
             logits.update(one.logits)
             hidden.update(one.hidden)
-        return RoundResult(logits, hidden, failed)
+            tokens.update(one.tokens)
+        return RoundResult(logits, hidden, failed, tokens)
 
     def _forward(self, all_rows: tuple[SeqRows, ...], tables: dict[int, tuple[int, ...]]) -> RoundResult:
         if self.fault_injector is not None:
@@ -132,28 +139,85 @@ class Runner:
         if self.all_hidden:
             logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
                                                   all_hidden=True)  # type: ignore[call-arg]
-            return self._split(all_rows, self.ops.to_host(logits), hidden, every_row=True)
-        logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
-        return self._split(all_rows, self.ops.to_host(logits), hidden)  # hidden stays on device
+        else:
+            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
+        host, tokens = self._choose(all_rows, logits)
+        return self._split(all_rows, host, tokens, hidden, every_row=self.all_hidden)
+
+    def _choose(self, all_rows: tuple[SeqRows, ...], logits: Any,
+                ) -> tuple[dict[int, np.ndarray], dict[int, list[int]]]:
+        """Logits [logit rows, V] (device) -> (host logits of the requests sampled on the host,
+        tokens chosen on the device for the requests with `choices`). One device launch
+        over the device rows; only their int64 ids, and the host rows' logits, are copied."""
+        spans: list[tuple[SeqRows, int]] = []  # (rows, first logit row) of each sampling request
+        start = 0
+        for rows in all_rows:
+            if rows.num_logit_rows:
+                spans.append((rows, start))
+            start += rows.num_logit_rows
+        sampler = self.sampler
+        on_device = [(r, s) for r, s in spans if r.choices] if sampler is not None else []
+        if not on_device:  # CPU, or no request can skip the host: today's path, bit for bit
+            host = self.ops.to_host(logits)
+            return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
+        assert sampler is not None
+        dev_ids = [s + i for r, s in on_device for i in range(r.num_logit_rows)]
+        chosen = self.ops.to_host(self._device_tokens(sampler, self._take(logits, dev_ids),
+                                                      [c for r, _ in on_device for c in r.choices]))
+        tokens: dict[int, list[int]] = {}
+        at = 0
+        for rows, _ in on_device:
+            tokens[rows.request_id] = chosen[at: at + rows.num_logit_rows].tolist()
+            at += rows.num_logit_rows
+        on_host = [(r, s) for r, s in spans if r.request_id not in tokens]
+        host_logits: dict[int, np.ndarray] = {}
+        if on_host:
+            host_ids = [s + i for r, s in on_host for i in range(r.num_logit_rows)]
+            host = self.ops.to_host(self._take(logits, host_ids))
+            at = 0
+            for rows, _ in on_host:
+                host_logits[rows.request_id] = host[at: at + rows.num_logit_rows]
+                at += rows.num_logit_rows
+        return host_logits, tokens
+
+    def _take(self, logits: Any, ids: list[int]) -> Any:
+        """Rows `ids` (ascending) of the device logits: a view when they are one run (all of
+        them in the common case), else one gather."""
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            return logits if len(ids) == logits.shape[0] else logits[ids[0]: ids[0] + len(ids)]
+        return logits[self.ops.asarray(np.asarray(ids, np.int64))]
+
+    def _device_tokens(self, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice]) -> Any:
+        """One launch: argmax when every row is greedy, else the seeded sampler (which is
+        argmax too at temperature 0). Both pick the largest logit with ties to the lowest id,
+        exactly as sample_token's np.argmax (first maximum); they differ only on NaN logits,
+        which the device skips and np.argmax returns."""
+        if all(c.greedy for c in choices):
+            return sampler.argmax(logits)
+        put = self.ops.asarray
+        return sampler.sample(
+            logits,
+            put(np.asarray([c.temperature for c in choices], np.float32)),
+            put(np.asarray([c.top_k for c in choices], np.int32)),
+            put(np.asarray([c.top_p for c in choices], np.float32)),
+            put(np.asarray([c.seed for c in choices], np.uint64)),
+            put(np.asarray([c.position for c in choices], np.int64)))
 
     @staticmethod
-    def _split(all_rows: tuple[SeqRows, ...], logits: np.ndarray, hidden: Any, *,
-               every_row: bool = False) -> RoundResult:
-        """Per request: its logit rows (host), and its hidden rows (on the device: the logit
-        rows, or every row when `every_row`)."""
-        out_l: dict[int, np.ndarray] = {}
+    def _split(all_rows: tuple[SeqRows, ...], logits: dict[int, np.ndarray],
+               tokens: dict[int, list[int]], hidden: Any, *, every_row: bool = False) -> RoundResult:
+        """Per request: its host logit rows or its device-chosen tokens, and its hidden rows
+        (on the device: the logit rows, or every row when `every_row`)."""
         out_h: dict[int, Any] = {}
         start = row = 0
         for rows in all_rows:
             stop = start + rows.num_logit_rows
-            if rows.num_logit_rows:
-                out_l[rows.request_id] = logits[start:stop]
             if every_row:
                 out_h[rows.request_id] = hidden[row: row + len(rows.token_ids)]
             elif rows.num_logit_rows:
                 out_h[rows.request_id] = hidden[start:stop]
             start, row = stop, row + len(rows.token_ids)
-        return RoundResult(out_l, out_h, {})
+        return RoundResult(logits, out_h, {}, tokens)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of the arena and of each lane's recurrent state (live + saved copy)."""
@@ -183,21 +247,18 @@ class Runner:
             positions.extend(range(rows.start_pos, rows.start_pos + count))
             row_seq.extend([seq_of_lane[rows.lane]] * count)
             logit_rows.extend(range(base + count - rows.num_logit_rows, base + count))
-        pos = np.asarray(positions, np.int64)
-        seq = np.asarray(row_seq, np.int32)
-        slots = block_table[seq, pos // page_size].astype(np.int64) * page_size + pos % page_size
-        put = self.ops.asarray
-        return ForwardBatch(put(np.asarray(tokens, np.int64)), put(pos), put(slots), put(seq),
-                            put(block_table), put(np.asarray(logit_rows, np.int64)), page_size,
-                            self._seq_lanes(lanes))
+        # One upload: the arrays packed in one buffer, the batch's fields views of it.
+        return pack_batch(self.ops, token_ids=tokens, positions=positions, row_seq=row_seq,
+                          block_table=block_table, logit_rows=logit_rows, page_size=page_size,
+                          seq_lanes=self._seq_lanes(lanes))
 
 
-    def _seq_lanes(self, lanes: list[int]):  # noqa: ANN202
-        """Block-table row -> lane, for models with per-lane recurrent state only (a dense
-        round without it can be replayed from a CUDA graph)."""
+    def _seq_lanes(self, lanes: list[int]) -> np.ndarray | None:
+        """Block-table row -> lane (host; packed with the batch), for models with per-lane
+        recurrent state only (a dense round without it can be replayed from a CUDA graph)."""
         if getattr(self.decoder, "states", None) is None:
             return None
-        return self.ops.asarray(np.asarray(lanes, np.int32))
+        return np.asarray(lanes, np.int32)
 
 
 def _describe(exc: Exception) -> str:

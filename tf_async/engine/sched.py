@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..api_types import SamplingParams
 from .lanes import Lanes
 from .sampling import apply_penalties, sample_token, top_logprobs
-from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
+from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenChoice, TokenEvent
 
 if TYPE_CHECKING:
     from .drafting import Drafter
@@ -136,7 +136,7 @@ class Scheduler:
         # the last token, after any rows to redo (rollback), then the drafts
         tokens = (*seq.token_slice(seq.num_computed, seq.num_tokens), *drafts)
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, 1 + len(drafts),
-                       tuple(drafts))
+                       tuple(drafts), token_choices(seq, 1 + len(drafts)))
 
     def _room_for_drafts(self, seq: Sequence) -> int:
         left = seq.params.max_tokens - len(seq.output_ids) - 1
@@ -157,7 +157,8 @@ class Scheduler:
         stop = seq.num_computed + num_rows
         tokens = tuple(seq.token_slice(seq.num_computed, stop))
         samples = 1 if stop == seq.num_tokens else 0
-        return SeqRows(seq.request_id, lane, seq.num_computed, tokens, samples)
+        return SeqRows(seq.request_id, lane, seq.num_computed, tokens, samples, (),
+                       token_choices(seq, samples))
 
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
@@ -212,14 +213,21 @@ class Scheduler:
         return self.drafter.stats() if self.drafter is not None else zero_stats()
 
     def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:
-        """Sample at each logit row; keep drafts while they equal the target's own choice."""
-        logits = result.logits[seq.request_id]
+        """Sample at each logit row (or take the token the runner chose on the device); keep
+        drafts while they equal the target's own choice."""
+        chosen = result.tokens.get(seq.request_id)
+        logits = result.logits[seq.request_id] if chosen is None else None
         new_ids: list[int] = []
         logprobs: list[dict[int, float]] = []
         finish = None
         for i in range(rows.num_logit_rows):
-            token = self._sample(seq, logits[i])
-            if seq.params.logprobs is not None:
+            if chosen is not None:
+                token = chosen[i]
+            else:
+                assert logits is not None
+                token = self._sample(seq, logits[i])
+            if seq.params.logprobs is not None:  # never chosen on the device (token_choices)
+                assert logits is not None
                 logprobs.append(top_logprobs(logits[i], token, seq.params.logprobs))
             seq.output_ids.append(token)
             new_ids.append(token)
@@ -271,6 +279,32 @@ class Scheduler:
             self.waiting.remove(seq)
         return TokenEvent(seq.request_id, tuple(new_ids or ()), logprobs, reason, error,
                           len(seq.prompt_ids), seq.num_drafted, seq.num_accepted)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_choices(seq: Sequence, num_rows: int) -> tuple[TokenChoice, ...]:
+    """What the runner needs to choose the token of each of the next `num_rows` logit rows
+    on the device, or () when the request needs the host: logprobs, any penalty or min_p
+    (apply_penalties / sample_token, engine/sampling.py). Row i draws for position
+    seq.num_tokens + i, the position sample_token gets at that row (when drafts are kept,
+    each accepted token lengthens the sequence by one before the next row is sampled).
+
+    The parameters are static per request, so a request takes the same path every round
+    (and drafted == plain holds on either path)."""
+    p = seq.params
+    if (num_rows == 0 or p.logprobs is not None or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_p > 0.0):
+        return ()
+    # sample_token's greedy test; top_k == 1 with t > 0 would sample among exact ties on the
+    # device, so it is sent as greedy too (argmax, lowest id)
+    greedy = p.temperature == 0.0 or p.top_k == 1
+    temperature = 0.0 if greedy else p.temperature
+    seed = seq.seed & _MASK64
+    base = seq.num_tokens
+    return tuple(TokenChoice(temperature, p.top_k, p.top_p, seed, base + i)
+                 for i in range(num_rows))
 
 
 def make_sequence(request_id: int, prompt_ids: list[int], params: SamplingParams, seed: int,

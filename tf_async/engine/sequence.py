@@ -61,6 +61,24 @@ class Sequence:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenChoice:
+    """How to choose the token of one logit row without the host (integers and floats only):
+    the arguments of the device sampler (Ops.sample / Ops.argmax, backend/base.py) for that
+    row. Set only for requests that need nothing host-only (no logprobs, no penalties, no
+    min_p); the others keep the host sampler (engine/sampling.py)."""
+
+    temperature: float  # 0.0: greedy (argmax, ties: lowest id), as sample_token
+    top_k: int
+    top_p: float
+    seed: int  # the sequence's seed mod 2**64 (the device takes it as uint64)
+    position: int  # the position the token is drawn for: seq.num_tokens at that row
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SeqRows:
     """The rows one stream contributes to a round: tokens at positions start_pos.."""
 
@@ -70,6 +88,8 @@ class SeqRows:
     token_ids: tuple[int, ...]
     num_logit_rows: int  # 0 mid-prompt; 1 to sample the next token; 1 + k to verify k drafts
     draft_ids: tuple[int, ...] = ()
+    # one per logit row when the token may be chosen on the device, else () (host path)
+    choices: tuple[TokenChoice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +107,15 @@ class RoundPlan:
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    logits: dict[int, np.ndarray]  # request id -> [num_logit_rows, V] float32 (host)
+    # request id -> [num_logit_rows, V] float32 (host), for requests sampled on the host
+    logits: dict[int, np.ndarray]
     # request id -> final-normed hidden [num_logit_rows, H] on the host, or of every row of
     # the request on the device when the drafter asks for all rows (MTP)
     hidden: dict[int, Any]
     failed: dict[int, str]  # request id -> error message
+    # request id -> the token chosen on the device at each logit row (rows with `choices`,
+    # when the ops can choose tokens); such requests have no entry in `logits`
+    tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

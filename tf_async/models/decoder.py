@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..backend.base import Array, Ops
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .rope import rope_tables
+
+if TYPE_CHECKING:
+    from .batch_io import PackedBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,9 @@ class ForwardBatch:
     logit_rows: Array  # [m] int64, rows whose logits are wanted
     page_size: int
     seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
+    # The one packed buffer the fields view, with its host original (models/batch_io.py:
+    # pack_batch); None for a batch built from separate arrays.
+    packed: PackedBatch | None = None
 
 
 class Decoder:
@@ -37,6 +43,7 @@ class Decoder:
         self.config = ckpt.config
         self.ops = ops
         self.weights = _upload(ckpt.weights, ops)
+        self.fused = _fuse_layers(self.weights, ops) if getattr(ops, "fused_layers", False) else None
         inv_freq, self.mscale = rope_tables(ckpt.config, ckpt.weights.rope_freq_divisors)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(ckpt.config.head_dim)
@@ -46,6 +53,10 @@ class Decoder:
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
         for index, layer in enumerate(w.layers):
+            fused = self.fused[index] if self.fused is not None else None
+            if fused is not None:
+                self._fused_layer(index, layer, fused, h, batch, kv, kv_scales)  # h in place
+                continue
             h = h + self._attention(index, layer, h, batch, kv, kv_scales)
             h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
         hidden = ops.rms_norm(h[batch.logit_rows], w.final_norm, self.config.rms_norm_eps)
@@ -69,6 +80,29 @@ class Decoder:
                           batch.positions, batch.page_size, self.sm_scale)
         return ops.linear(o.reshape(rows, cfg.q_size), layer.o, layer.o_bias)
 
+    def _fused_layer(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
+                     batch: ForwardBatch, kv: Array, kv_scales: Array) -> None:
+        """One layer with the backend's fused ops (CudaOps.fused_layers): the bits of
+        _attention and _mlp, in 8 launches instead of 18; h is updated in place."""
+        ops: Any = self.ops
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        qkv = ops.linear(ops.rms_norm(h, layer.input_norm, eps), fused.qkv, fused.qkv_bias)
+        q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
+                            self.mscale, kv, index, batch.slots, kv_scales, cfg.num_heads)
+        o = ops.attention(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
+                          batch.positions, batch.page_size, self.sm_scale).reshape(h.shape[0], cfg.q_size)
+        if layer.o_bias is None:
+            ops.linear_into(o, layer.o, h)
+        else:
+            h += ops.linear(o, layer.o, layer.o_bias)
+        a = ops.rms_norm(h, layer.post_norm, eps)
+        if fused.gate_up is not None:
+            assert layer.down is not None
+            ops.linear_into(ops.swiglu_linear(a, fused.gate_up), layer.down, h)
+        else:
+            h += self._mlp(index, layer, a)
+
     def _mlp(self, index: int, layer: LayerWeights, a: Array) -> Array:
         ops, cfg = self.ops, self.config
         if layer.router is not None:
@@ -77,6 +111,40 @@ class Decoder:
                            cfg.num_experts_per_tok, cfg.norm_topk_prob)
         assert layer.gate and layer.up and layer.down
         return ops.linear(ops.silu_mul(ops.linear(a, layer.gate), ops.linear(a, layer.up)), layer.down)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    """A layer's concatenated weights for the fused path: q|k|v (and their biases), and
+    gate|up of a dense MLP (None for MoE layers)."""
+
+    qkv: Any
+    qkv_bias: Array | None
+    gate_up: Any | None
+
+
+def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
+    """Concatenate each layer's q, k, v (and gate, up) on the device; the layer keeps views
+    of the concatenation, so no weight is held twice. A layer whose q, k, v differ in kind
+    (e.g. mixed GGUF quant types) or carry some biases but not all is not fused."""
+    fused: list[FusedLayer | None] = []
+    for i, layer in enumerate(weights.layers):
+        qkv = ops.concat_linears([layer.q, layer.k, layer.v])
+        biases = (layer.q_bias, layer.k_bias, layer.v_bias)
+        has_bias = [b is not None for b in biases]
+        if qkv is None or (any(has_bias) and not all(has_bias)):
+            fused.append(None)
+            continue
+        qkv_bias = ops.xp.concatenate(biases) if all(has_bias) else None
+        gate_up = None
+        if layer.gate is not None and layer.up is not None:
+            gate_up = ops.concat_linears([layer.gate, layer.up])
+        views = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
+        if gate_up is not None:
+            views.update(gate=gate_up[1][0], up=gate_up[1][1])
+        weights.layers[i] = replace(layer, **views)
+        fused.append(FusedLayer(qkv[0], qkv_bias, gate_up[0] if gate_up is not None else None))
+    return fused
 
 
 def _upload(weights: ModelWeights, ops: Ops) -> ModelWeights:

@@ -9,10 +9,16 @@ are bit-identical to the eager forward's and every gate holds unchanged.
 
 Which rounds: every row wants logits (decode rows, draft verification rows) and there are
 at most `max_rows` rows; anything else (prompt steps) runs eagerly. The static block table
-is as wide as the arena has pages; attention reads only the entries a row's position needs,
-so the zero padding never changes a value.
+is as wide as the arena has pages; attention reads only the entries a row's position needs
+(positions are checked against the round's own width), so the padding never changes a value.
 
-    round:  check indices (one sync) -> copy into static buffers -> replay -> copy outputs
+The static inputs are one packed buffer (models/batch_io.py). A batch from `pack_batch`
+carries its host original: its indices are checked there with NumPy (no device work) and
+its device buffer is copied into the static one at once (one copy; two when the round has
+several streams, whose block-table rows have another pitch). A batch of separate device
+arrays is checked on the device (one sync) and copied array by array.
+
+    round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..backend.base import Array
 from ..errors import BadInputError
+from .batch_io import Layout, check_indices
 from .decoder import Decoder, ForwardBatch
 
 
@@ -31,7 +40,9 @@ class _Captured:
 
     stream: Any
     pool: Any
-    batch: ForwardBatch  # static input buffers
+    layout: Layout  # of the static input buffer
+    buffer: Array  # [layout.words] int64, the static inputs packed
+    batch: ForwardBatch  # static input buffers: views of `buffer`
     graph: Any = None
     logits: Array = None
     hidden: Array = None
@@ -58,10 +69,17 @@ class GraphDecoder:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
-        if not decode_shaped or batch.seq_lanes is not None:  # recurrent state: not captured
+        seqs, width = (int(n) for n in batch.block_table.shape)
+        if (not decode_shaped or batch.seq_lanes is not None  # recurrent state: not captured
+                or width > kv.shape[2] // batch.page_size):  # wider than the static table
             return self.decoder.forward(batch, kv, kv_scales)
-        self._check_indices(batch, kv)
-        key = (rows, int(batch.block_table.shape[0]), batch.page_size, id(kv), id(kv_scales))
+        if batch.packed is not None and batch.packed.describes(batch):
+            check_indices(batch.packed.layout, batch.packed.host,
+                          vocab=self.weights.embed.out_features, num_slots=kv.shape[2],
+                          page_size=batch.page_size)
+        else:
+            self._check_indices(batch, kv)
+        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales))
         captured = self._graphs.get(key)
         if captured is None:
             captured, outputs = self._capture(batch, kv, kv_scales)
@@ -75,11 +93,12 @@ class GraphDecoder:
         caller = xp.cuda.get_current_stream()
         cap.stream.wait_event(caller.record())
         with cap.stream:
-            _load(cap.batch, batch)
+            _load(xp, cap, batch)
             cap.graph.launch(cap.stream)
         caller.wait_event(cap.stream.record())
         self.num_replays += 1
-        return cap.logits.copy(), cap.hidden.copy()  # the graph's buffers are reused next round
+        # The graph's buffers are reused next round: the caller gets copies.
+        return _copied(xp, cap.logits), _copied(xp, cap.hidden)
 
     def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array
                  ) -> tuple[_Captured, tuple[Array, Array]]:
@@ -88,11 +107,12 @@ class GraphDecoder:
         xp = self.ops.xp
         caller = xp.cuda.get_current_stream()
         # A blocking stream: ordered with the legacy default stream the engine uses.
-        cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(),
-                        _static_batch(xp, batch, kv))
+        layout, buffer, static = _static_batch(xp, batch, kv)
+        cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
+                        static)
         cap.stream.wait_event(caller.record())
         with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():  # type: ignore[attr-defined]
-            _load(cap.batch, batch)
+            _load(xp, cap, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())
             cap.stream.begin_capture(mode=_relaxed(xp))
@@ -106,7 +126,8 @@ class GraphDecoder:
     # ------------------------------------------------------------------ checks
     def _check_indices(self, batch: ForwardBatch, kv: Array) -> None:
         """Every index the captured kernels will use is in range (one reduction, one sync):
-        inside the graph nothing is checked."""
+        inside the graph nothing is checked. For batches with no host copy (batch_io's
+        check_indices checks the same on the host)."""
         xp = self.ops.xp
         rows, (seqs, width) = batch.token_ids.shape[0], batch.block_table.shape
         num_slots, page_size = kv.shape[2], batch.page_size
@@ -133,21 +154,53 @@ def _relaxed(xp: Any) -> Any:
     return getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
 
 
-def _static_batch(xp: Any, batch: ForwardBatch, kv: Array) -> ForwardBatch:
-    """Input buffers of a graph; the block table is as wide as the arena has pages."""
+def _static_batch(xp: Any, batch: ForwardBatch, kv: Array) -> tuple[Layout, Array, ForwardBatch]:
+    """Input buffers of a graph: one packed buffer (batch_io's layout, no seq_lanes) and the
+    batch of its views; the block table is as wide as the arena has pages."""
     rows, seqs = batch.token_ids.shape[0], batch.block_table.shape[0]
-    max_pages = kv.shape[2] // batch.page_size
-    return ForwardBatch(
-        token_ids=xp.zeros(rows, xp.int64), positions=xp.zeros(rows, xp.int64),
-        slots=xp.zeros(rows, xp.int64), row_seq=xp.zeros(rows, xp.int32),
-        block_table=xp.zeros((seqs, max_pages), xp.int32),
-        logit_rows=xp.zeros(rows, xp.int64), page_size=batch.page_size)
+    layout = Layout(rows, rows, seqs, kv.shape[2] // batch.page_size)
+    buffer = xp.zeros(layout.words, xp.int64)
+    v = layout.views(buffer, xp)
+    static = ForwardBatch(v.token_ids, v.positions, v.slots, v.row_seq, v.block_table,
+                          v.logit_rows, batch.page_size)
+    return layout, buffer, static
 
 
-def _load(static: ForwardBatch, batch: ForwardBatch) -> None:
-    """Copy a round's inputs into the static buffers (on the current stream)."""
+def _load(xp: Any, cap: _Captured, batch: ForwardBatch) -> None:
+    """Copy a round's inputs into the static buffers (on the current stream). A packed batch
+    whose layout shares the static prefix: one copy of its buffer (one stream: its table row
+    is a prefix of the static one; the tail of the static row keeps entries no position
+    reaches), or the prefix and then the table (several streams: another row pitch)."""
+    packed, static = batch.packed, cap.batch
+    if (packed is not None and packed.layout.table_offset == cap.layout.table_offset
+            and packed.describes(batch)):
+        if packed.layout.seqs == 1:
+            _copy_words(cap.buffer, packed.device, packed.layout.words)
+        else:
+            _copy_words(cap.buffer, packed.device, cap.layout.table_offset)
+            xp.copyto(static.block_table[:, :packed.layout.width], batch.block_table)
+        return
     for name in ("token_ids", "positions", "slots", "row_seq", "logit_rows"):
         getattr(static, name)[...] = getattr(batch, name)
     width = batch.block_table.shape[1]
     static.block_table[:, :width] = batch.block_table
     static.block_table[:, width:] = 0
+
+
+def _copy_words(dst: Array, src: Array, words: int) -> None:
+    """dst[:words] = src[:words] for contiguous int64 buffers: one device-to-device memcpy
+    on the current stream (no kernel, no views); NumPy buffers (tests) are copied in place."""
+    if isinstance(dst, np.ndarray):
+        dst[:words] = src[:words]
+    elif words:
+        dst.data.copy_from_device_async(src.data, 8 * words)
+
+
+def _copied(xp: Any, array: Array) -> Array:
+    """A copy of a contiguous device array: one memcpy (ndarray.copy launches a kernel)."""
+    if not array.flags.c_contiguous:
+        return array.copy()
+    out = xp.empty_like(array)
+    if array.size:
+        out.data.copy_from_device_async(array.data, array.nbytes)
+    return out

@@ -419,10 +419,13 @@ class HybridDecoder:
 class GdnKernels:
     """The launchers of backend/cpu/gdn.py or cuda_kernels/gdn.py with output allocation."""
 
-    def __init__(self, module: Any, xp: Any, stream: Any = None):
+    def __init__(self, module: Any, xp: Any, stream: Any = None, device_view: Any = None):
         self.module = module
         self.xp = xp
         self.stream = stream
+        # CUDA: arrays go to the launchers as Numba views made without a sync (the kernels
+        # run on CuPy's current stream); a raw CuPy array would sync that stream per argument.
+        self.device_view = device_view
 
     def empty(self, shape: tuple[int, ...]) -> Array:
         return self.xp.empty(shape, dtype=np.float32)
@@ -431,7 +434,14 @@ class GdnKernels:
         launcher = getattr(self.module, name)
         if self.stream is None:
             return launcher
-        return lambda *args: launcher(*args, stream=self.stream())
+        view = self.device_view
+
+        def launch(*args: Any) -> Any:
+            if view is not None:
+                args = tuple(view(a) if hasattr(a, "__cuda_array_interface__") else a for a in args)
+            return launcher(*args, stream=self.stream())
+
+        return launch
 
 
 def gdn_kernels_for(ops: Ops) -> GdnKernels:
@@ -442,7 +452,7 @@ def gdn_kernels_for(ops: Ops) -> GdnKernels:
         return GdnKernels(gdn, ops.xp)
     from cuda_kernels import gdn as cuda_gdn  # noqa: PLC0415 - only CUDA runs import it
 
-    return GdnKernels(cuda_gdn, ops.xp, getattr(ops, "_stream", None))
+    return GdnKernels(cuda_gdn, ops.xp, getattr(ops, "_stream", None), getattr(ops, "_dev", None))
 
 
 def make_decoder(checkpoint: Any, ops: Ops, *, num_lanes: int = 1) -> Any:
