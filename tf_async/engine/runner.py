@@ -11,12 +11,13 @@ forward, and puts it back when the scheduler rolls the lane back (plan.lanes_to_
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import numpy as np
 
 from ..backend.base import DeviceSampler, Ops, device_sampler
-from ..models.batch_io import pack_batch
+from ..models.batch_io import check_indices, pack_batch
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
@@ -136,13 +137,26 @@ class Runner:
                 self.fault_injector(rows)
         batch = self._batch(all_rows, tables)
         self._state_touched = True
-        if self.all_hidden:
-            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
-                                                  all_hidden=True)  # type: ignore[call-arg]
-        else:
-            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
+        with self._host_checked(batch):
+            if self.all_hidden:
+                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
+                                                      all_hidden=True)  # type: ignore[call-arg]
+            else:
+                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
         host, tokens = self._choose(all_rows, logits)
         return self._split(all_rows, host, tokens, hidden, every_row=self.all_hidden)
+
+    def _host_checked(self, batch: ForwardBatch) -> AbstractContextManager[Any]:
+        """Check the round's indices once, on the packed host copy (NumPy, no device work),
+        and run the forward without the backend's per-op device checks (on the GPU each is a
+        host sync: a few per layer). A batch without a host copy keeps the device checks."""
+        unchecked = getattr(self.ops, "unchecked", None)
+        packed = batch.packed
+        if unchecked is None or packed is None or not packed.describes(batch):
+            return nullcontext()
+        check_indices(packed.layout, packed.host, vocab=self.decoder.weights.embed.out_features,
+                      num_slots=int(self.arena.kv.shape[2]), page_size=batch.page_size)
+        return cast(AbstractContextManager[Any], unchecked())
 
     def _choose(self, all_rows: tuple[SeqRows, ...], logits: Any,
                 ) -> tuple[dict[int, np.ndarray], dict[int, list[int]]]:

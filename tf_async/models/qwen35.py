@@ -347,7 +347,9 @@ class HybridDecoder:
         if batch.seq_lanes is None:
             raise ValueError("HybridDecoder.forward: batch.seq_lanes is required (lane of each "
                              "block-table row) to index the recurrent state")
-        lanes = self.ops.to_host(batch.seq_lanes)
+        packed = batch.packed  # the host copy when there is one: no device sync
+        lanes = (packed.host_views.seq_lanes if packed is not None and packed.describes(batch)
+                 else self.ops.to_host(batch.seq_lanes))
         if lanes.size and (int(lanes.min()) < 0 or int(lanes.max()) >= states.num_lanes):
             raise ValueError(f"HybridDecoder.forward: seq_lanes {lanes.tolist()} outside "
                              f"[0, {states.num_lanes})")

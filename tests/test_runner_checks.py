@@ -1,0 +1,93 @@
+"""The runner checks a round's indices once on the packed host copy and runs the forward
+without the backend's per-op device checks (on a GPU each is a host sync); a batch that
+fails the host check never reaches the decoder, and outputs are unchanged."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tf_async.api import Engine
+from tf_async.backend.cpu.ops import CpuOps
+from tf_async.errors import BadInputError
+from tf_async.models.batch_io import pack_batch
+
+pytestmark = pytest.mark.asyncio
+
+
+class CheckTrackingOps:
+    """CpuOps with CudaOps' `unchecked()` switch; records the switch at every embed call."""
+
+    def __init__(self) -> None:
+        self._inner = CpuOps()
+        self.device_checks = True
+        self.embeds_checked: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def unchecked(self):  # noqa: ANN201
+        before, self.device_checks = self.device_checks, False
+        try:
+            yield
+        finally:
+            self.device_checks = before
+
+    def embed(self, w, ids):  # noqa: ANN001, ANN201
+        self.embeds_checked.append(self.device_checks)
+        return self._inner.embed(w, ids)
+
+
+@pytest.fixture
+def tracking_ops(monkeypatch: pytest.MonkeyPatch) -> list[CheckTrackingOps]:
+    made: list[CheckTrackingOps] = []
+
+    def make_ops(device: str = "auto") -> CheckTrackingOps:
+        made.append(CheckTrackingOps())
+        return made[-1]
+
+    monkeypatch.setattr("tf_async.engine.build.make_ops", make_ops)
+    return made
+
+
+async def generate(ckpt, prompt: list[int]) -> list[int]:  # noqa: ANN001
+    async with Engine(ckpt, device="cpu", parallel=2, ctx=128, page_size=4, step_tokens=5) as eng:
+        out = await eng.complete(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        return list(out.token_ids)
+
+
+async def test_forwards_run_unchecked_after_the_host_check_with_equal_outputs(tiny_llama, tracking_ops):
+    prompt = [3, 17, 5, 9, 11, 2, 8, 30, 4, 6, 12]
+    tracked = await generate(tiny_llama, prompt)
+    ops = tracking_ops[0]
+    assert ops.embeds_checked and not any(ops.embeds_checked)  # every forward: unchecked
+    assert ops.device_checks  # switched back after each round
+    tracking_ops.clear()
+    plain = await generate(tiny_llama, prompt)  # the CPU path of today, for comparison
+    assert tracked == plain
+
+
+async def test_a_bad_batch_is_refused_on_the_host_before_the_forward(tiny_llama, tracking_ops) -> None:
+    async with Engine(tiny_llama, device="cpu", parallel=2, ctx=64, page_size=4) as eng:
+        await eng.complete([1, 2], max_tokens=1)  # builds the engine
+        assert eng.parts is not None
+        check_refusals(eng.parts.runner, tracking_ops[0])
+
+
+def check_refusals(runner, ops: CheckTrackingOps) -> None:  # noqa: ANN001
+    vocab = runner.decoder.weights.embed.out_features
+    table = np.array([[0, 1]], np.int32)
+    good = dict(token_ids=[1, 2], positions=[0, 1], row_seq=[0, 0], block_table=table,
+                logit_rows=[1], page_size=4, slots=[0, 1])
+    with runner._host_checked(pack_batch(ops, **good)):
+        assert not ops.device_checks
+    bad_cases = [dict(token_ids=[1, vocab]), dict(positions=[0, 8]), dict(row_seq=[0, 1]),
+                 dict(block_table=np.array([[0, 10**6]], np.int32), positions=[0, 5])]
+    for change in bad_cases:
+        with pytest.raises(BadInputError, match="out of range"):
+            runner._host_checked(pack_batch(ops, **{**good, **change}))
+        assert ops.device_checks
