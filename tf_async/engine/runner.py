@@ -175,24 +175,14 @@ class Runner:
             host = self.ops.to_host(logits)
             return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
         assert sampler is not None
-        dev_ids = [s + i for r, s in on_device for i in range(r.num_logit_rows)]
-        chosen = self.ops.to_host(self._device_tokens(sampler, self._take(logits, dev_ids),
+        chosen = self.ops.to_host(self._device_tokens(sampler, self._take(logits, _row_ids(on_device)),
                                                       [c for r, _ in on_device for c in r.choices]))
-        tokens: dict[int, list[int]] = {}
-        at = 0
-        for rows, _ in on_device:
-            tokens[rows.request_id] = chosen[at: at + rows.num_logit_rows].tolist()
-            at += rows.num_logit_rows
+        tokens = {r.request_id: ids.tolist() for r, ids in _per_request(on_device, chosen)}
         on_host = [(r, s) for r, s in spans if r.request_id not in tokens]
-        host_logits: dict[int, np.ndarray] = {}
-        if on_host:
-            host_ids = [s + i for r, s in on_host for i in range(r.num_logit_rows)]
-            host = self.ops.to_host(self._take(logits, host_ids))
-            at = 0
-            for rows, _ in on_host:
-                host_logits[rows.request_id] = host[at: at + rows.num_logit_rows]
-                at += rows.num_logit_rows
-        return host_logits, tokens
+        if not on_host:
+            return {}, tokens
+        host = self.ops.to_host(self._take(logits, _row_ids(on_host)))
+        return {r.request_id: rows for r, rows in _per_request(on_host, host)}, tokens
 
     def _take(self, logits: Any, ids: list[int]) -> Any:
         """Rows `ids` (ascending) of the device logits: a view when they are one run (all of
@@ -273,6 +263,20 @@ class Runner:
         if getattr(self.decoder, "states", None) is None:
             return None
         return np.asarray(lanes, np.int32)
+
+
+def _row_ids(spans: list[tuple[SeqRows, int]]) -> list[int]:
+    """The logit rows of `spans` ((rows, first logit row) each), in order."""
+    return [start + i for rows, start in spans for i in range(rows.num_logit_rows)]
+
+
+def _per_request(spans: list[tuple[SeqRows, int]], values: Any) -> list[tuple[SeqRows, Any]]:
+    """values (one entry per row of _row_ids(spans)) cut into each request's rows."""
+    out, at = [], 0
+    for rows, _ in spans:
+        out.append((rows, values[at: at + rows.num_logit_rows]))
+        at += rows.num_logit_rows
+    return out
 
 
 def _describe(exc: Exception) -> str:
