@@ -175,6 +175,29 @@ def test_mtp_on_a_model_without_mtp_layer_and_unknown_drafter_are_clear_errors(t
         build(tiny_llama, "medusa")
 
 
+def test_ngram_proposals_shrink_after_a_rejection_and_grow_back_after_full_acceptance():
+    from tf_async.engine.sequence import SeqRows
+
+    drafter = drafting.NgramDrafter(draft_tokens=8)
+    seq = make_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], make_params(), 0, ())
+    seq.lane = 0
+    drafter.open(seq)
+
+    def round_with(accepted: int) -> int:
+        drafts = drafter.propose(seq, 16)
+        rows = SeqRows(1, 0, 13, (2, *drafts), 1 + len(drafts), drafts)
+        drafter.absorb(seq, rows, accepted + 1, None)
+        return len(drafts)
+
+    assert round_with(accepted=0) == 8  # full length at first, then one draft after a miss
+    assert round_with(accepted=1) == 1
+    assert [round_with(accepted=99) for _ in range(4)] == [2, 4, 8, 8]  # doubling back
+    assert round_with(accepted=3) == 8 and len(drafter.propose(seq, 16)) == 4  # partial: 3 + 1
+    drafter.release(0)
+    drafter.open(seq)
+    assert len(drafter.propose(seq, 16)) == 8  # a new stream starts at the full length
+
+
 def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     t = np.asarray
     assert ngram_lookup(t([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]), 3, 4) == [8, 5, 1, 2]

@@ -149,7 +149,13 @@ def should_pool(ctx: DraftContext) -> bool:
 class NgramDrafter:
     """Prompt lookup: find the longest suffix n-gram (n = 3..2) earlier in the stream's own
     tokens and propose the tokens that followed its most recent earlier occurrence. A single
-    matching token predicts too little: drafting on it costs more than it wins on free text."""
+    matching token predicts too little: drafting on it costs more than it wins on free text.
+
+    Adaptive length: each stream proposes at most `cap` tokens, where cap starts at
+    draft_tokens, drops to (accepted + 1) after a round that rejected a draft and doubles
+    (up to draft_tokens) after a round that accepted every draft. Free text, whose matches
+    rarely continue, then verifies one draft row instead of draft_tokens; quoted text climbs
+    back to the full length in a few rounds. Outputs never depend on it (drafted == plain)."""
 
     name = "ngram"
 
@@ -160,6 +166,7 @@ class NgramDrafter:
         self.num_drafted = 0
         self.num_accepted = 0
         self._open: dict[int, int] = {}  # lane -> request id
+        self._cap: dict[int, int] = {}  # lane -> most tokens its next proposal may have
 
     def is_open(self, seq: Sequence) -> bool:
         return seq.lane is not None and self._open.get(seq.lane) == seq.request_id
@@ -169,13 +176,18 @@ class NgramDrafter:
         if seq.lane in self._open:
             raise BadInputError(f"drafter already open for lane {seq.lane}")
         self._open[seq.lane] = seq.request_id
+        self._cap[seq.lane] = self.draft_tokens
 
     def release(self, lane: int) -> None:
         self._open.pop(lane, None)
+        self._cap.pop(lane, None)
 
     def propose(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        limit = min(limit, self.draft_tokens)
-        if limit <= 0 or not self.is_open(seq):
+        if not self.is_open(seq):
+            return ()
+        assert seq.lane is not None
+        limit = min(limit, self.draft_tokens, self._cap[seq.lane])
+        if limit <= 0:
             return ()
         drafts = ngram_lookup(np.asarray([*seq.prompt_ids, *seq.output_ids], np.int64),
                               self.max_ngram, limit, self.min_ngram)
@@ -183,6 +195,13 @@ class NgramDrafter:
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         count_accepted(self, rows, num_new_tokens)
+        drafted = len(rows.draft_ids)
+        if num_new_tokens > 0 and drafted and self.is_open(seq):
+            assert seq.lane is not None
+            accepted = num_new_tokens - 1
+            cap = self._cap[seq.lane]
+            self._cap[seq.lane] = (min(self.draft_tokens, 2 * cap) if accepted >= drafted
+                                   else accepted + 1)
 
     def stats(self) -> dict[str, int]:
         return {**zero_stats(), "drafted_tokens": self.num_drafted,
