@@ -17,7 +17,7 @@ import pytest
 from tests import tiny_qwen35 as tq
 from tests.engine_helpers import idle_stats, run_with_cancels
 from tf_async import BadInputError, Engine
-from tf_async.engine.drafters.model import choose_like_target
+from tf_async.engine.choice import choose_like_target
 from tf_async.gate import PROMPTS, run_gates
 from tf_async.models.decoder import ForwardBatch
 from tf_async.models.loader import load_checkpoint

@@ -20,7 +20,8 @@ from ..backend.base import DeviceSampler, Ops, device_sampler
 from ..models.batch_io import check_indices, pack_batch
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
-from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
+from .choice import choose_on_device
+from .sequence import RoundPlan, RoundResult, SeqRows
 
 KV_DTYPES = ("f32", "bf16", "fp8")
 
@@ -175,7 +176,7 @@ class Runner:
             host = self.ops.to_host(logits)
             return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
         assert sampler is not None
-        chosen = self.ops.to_host(self._device_tokens(sampler, self._take(logits, _row_ids(on_device)),
+        chosen = self.ops.to_host(choose_on_device(self.ops, sampler, self._take(logits, _row_ids(on_device)),
                                                       [c for r, _ in on_device for c in r.choices]))
         tokens = {r.request_id: ids.tolist() for r, ids in _per_request(on_device, chosen)}
         on_host = [(r, s) for r, s in spans if r.request_id not in tokens]
@@ -190,22 +191,6 @@ class Runner:
         if ids == list(range(ids[0], ids[0] + len(ids))):
             return logits if len(ids) == logits.shape[0] else logits[ids[0]: ids[0] + len(ids)]
         return logits[self.ops.asarray(np.asarray(ids, np.int64))]
-
-    def _device_tokens(self, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice]) -> Any:
-        """One launch: argmax when every row is greedy, else the seeded sampler (which is
-        argmax too at temperature 0). Both pick the largest logit with ties to the lowest id,
-        exactly as sample_token's np.argmax (first maximum); they differ only on NaN logits,
-        which the device skips and np.argmax returns."""
-        if all(c.greedy for c in choices):
-            return sampler.argmax(logits)
-        put = self.ops.asarray
-        return sampler.sample(
-            logits,
-            put(np.asarray([c.temperature for c in choices], np.float32)),
-            put(np.asarray([c.top_k for c in choices], np.int32)),
-            put(np.asarray([c.top_p for c in choices], np.float32)),
-            put(np.asarray([c.seed for c in choices], np.uint64)),
-            put(np.asarray([c.position for c in choices], np.int64)))
 
     @staticmethod
     def _split(all_rows: tuple[SeqRows, ...], logits: dict[int, np.ndarray],

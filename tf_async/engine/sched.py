@@ -15,9 +15,10 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..api_types import SamplingParams
+from .choice import token_choices
 from .lanes import Lanes
 from .sampling import apply_penalties, sample_token, top_logprobs
-from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenChoice, TokenEvent
+from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
 if TYPE_CHECKING:
     from .drafting import Drafter
@@ -279,32 +280,6 @@ class Scheduler:
             self.waiting.remove(seq)
         return TokenEvent(seq.request_id, tuple(new_ids or ()), logprobs, reason, error,
                           len(seq.prompt_ids), seq.num_drafted, seq.num_accepted)
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def token_choices(seq: Sequence, num_rows: int) -> tuple[TokenChoice, ...]:
-    """What the runner needs to choose the token of each of the next `num_rows` logit rows
-    on the device, or () when the request needs the host: logprobs, any penalty or min_p
-    (apply_penalties / sample_token, engine/sampling.py). Row i draws for position
-    seq.num_tokens + i, the position sample_token gets at that row (when drafts are kept,
-    each accepted token lengthens the sequence by one before the next row is sampled).
-
-    The parameters are static per request, so a request takes the same path every round
-    (and drafted == plain holds on either path)."""
-    p = seq.params
-    if (num_rows == 0 or p.logprobs is not None or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_p > 0.0):
-        return ()
-    # sample_token's greedy test; top_k == 1 with t > 0 would sample among exact ties on the
-    # device, so it is sent as greedy too (argmax, lowest id)
-    greedy = p.temperature == 0.0 or p.top_k == 1
-    temperature = 0.0 if greedy else p.temperature
-    seed = seq.seed & _MASK64
-    base = seq.num_tokens
-    return tuple(TokenChoice(temperature, p.top_k, p.top_p, seed, base + i)
-                 for i in range(num_rows))
 
 
 def make_sequence(request_id: int, prompt_ids: list[int], params: SamplingParams, seed: int,

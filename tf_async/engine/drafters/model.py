@@ -18,8 +18,8 @@ import numpy as np
 from ...errors import BadInputError
 from ...models.decoder import Decoder, ForwardBatch
 from ..area import AreaLayout
+from ..choice import TargetChooser
 from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option
-from ..sampling import apply_penalties, sample_token
 from .base import ContextDrafter
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ class ModelDrafter(ContextDrafter):
         self.decoder = decoder
         self.ops = decoder.ops
         self.kv_scales = kv_scales
+        self.choose = TargetChooser(self.ops)
 
     def _reset(self, ctx: DraftContext) -> None:
         ctx.num_valid = ctx.num_fed = 0
@@ -53,7 +54,7 @@ class ModelDrafter(ContextDrafter):
         drafts: list[int] = []
         outputs = list(seq.output_ids)
         while True:
-            token = choose_like_target(seq, logits, outputs, num_tokens + len(drafts))
+            token = self.choose(seq, logits, outputs, num_tokens + len(drafts))
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
             drafts.append(token)
@@ -64,8 +65,8 @@ class ModelDrafter(ContextDrafter):
             ctx.num_fed += 1
         return tuple(drafts)
 
-    def _forward(self, ctx: DraftContext, tokens: list[int], start_pos: int) -> np.ndarray:
-        """Rows at positions start_pos.. into the ring; logits [V] of the last row."""
+    def _forward(self, ctx: DraftContext, tokens: list[int], start_pos: int) -> Any:
+        """Rows at positions start_pos.. into the ring; logits [1, V] of the last row (device)."""
         assert ctx.views is not None
         num_rows = len(tokens)
         capacity = ctx.views.ring.shape[2]
@@ -77,7 +78,7 @@ class ModelDrafter(ContextDrafter):
                              put(np.asarray([num_rows - 1], np.int64)), capacity)
         logits, hidden = self.decoder.forward(batch, ctx.views.ring, self.kv_scales)
         ctx.views.state[...] = hidden[0]  # the newest row's hidden state
-        return self.ops.to_host(logits)[0]
+        return logits
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         """Accepted drafts whose ring rows were written stay valid; the rest is redone."""
@@ -86,12 +87,6 @@ class ModelDrafter(ContextDrafter):
         first_draft_pos = rows.start_pos + len(rows.token_ids) - len(rows.draft_ids)
         if ctx is not None and rows.draft_ids and ctx.base_pos == first_draft_pos:
             ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
-
-def choose_like_target(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
-    """The token the target itself would pick at `pos` if its logits were these."""
-    x = apply_penalties(logits, seq.params, seq.prompt_ids, outputs)
-    return sample_token(x, seq.params, seq.seed, pos)
-
 
 # ---- construction -------------------------------------------------------------------------
 def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt: Checkpoint,

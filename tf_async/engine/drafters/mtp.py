@@ -25,9 +25,10 @@ from ...backend.base import Array
 from ...errors import BadInputError
 from ...models.qwen35 import GatedAttentionWeights
 from ..area import AreaLayout
+from ..choice import TargetChooser
 from ..drafting import DraftContext, DraftContexts, count_accepted
 from .base import ContextDrafter
-from .model import MakeContexts, choose_like_target
+from .model import MakeContexts
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
@@ -47,6 +48,7 @@ class MtpDrafter(ContextDrafter):
         self.head = head
         self.ops = head.ops
         self.kv_scales = kv_scales  # [1, 2] K/V scales of the ring (fp8), else ones
+        self.choose = TargetChooser(self.ops)
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
         return ready(ctx, seq)
@@ -63,7 +65,7 @@ class MtpDrafter(ContextDrafter):
             logits, hidden = self._step(ctx, token, slot + step, hidden)
             if step == 0:  # the pending slot holds committed values: it stays in the ring
                 ctx.num_valid, ctx.has_state = ctx.num_valid + 1, False
-            token = choose_like_target(seq, logits, outputs, num_tokens + step)
+            token = self.choose(seq, logits, outputs, num_tokens + step)
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
             drafts.append(token)
@@ -71,14 +73,14 @@ class MtpDrafter(ContextDrafter):
         return tuple(drafts)
 
     def _step(self, ctx: DraftContext, token: int, pos: int, hidden: Array
-              ) -> tuple[np.ndarray, Array]:
-        """One MTP slot at `pos`; (logits [V] on the host, normed output [1, H])."""
+              ) -> tuple[Array, Array]:
+        """One MTP slot at `pos`; (logits [1, V] and normed output [1, H], on the device)."""
         assert ctx.views is not None
         put = self.ops.asarray
         logits, out = self.head.forward(put(np.asarray([token], np.int64)),
                                         put(np.asarray([pos], np.int64)), hidden,
                                         ctx.views.ring, self.kv_scales)
-        return self.ops.to_host(logits)[0], out
+        return logits, out
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         """Feed the slots of the rows this step committed (hidden: [rows, H], every row)."""
