@@ -247,6 +247,19 @@ def test_graph_decoder_refuses_bad_indices_on_the_host(kind: str, change: dict[s
     assert graphed.num_replays == 0 and not graphed._graphs
 
 
+def test_graph_decoder_leaves_the_check_to_a_caller_that_ran_it() -> None:
+    """Inside ops.unchecked() (the runner checked the round on the host) the graph decoder
+    does not check the same indices again: it goes straight to the device."""
+    batch = pack_batch(CpuOps(), token_ids=[VOCAB], positions=[2], row_seq=[0],
+                       block_table=np.array([[1, 99, 0, 0]], np.int32), logit_rows=[0],
+                       page_size=PAGE, slots=[6])
+    kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
+    graphed = _graph_decoder()
+    graphed.ops.device_checks = False
+    with pytest.raises(AssertionError, match="device touched"):
+        graphed.forward(batch, kv, np.ones((1, 2), np.float32))
+
+
 def _captured(batch: ForwardBatch, max_pages: int) -> Any:
     from tf_async.models.graph_decoder import _Captured, _static_batch
 

@@ -16,7 +16,9 @@ The static inputs are one packed buffer (models/batch_io.py). A batch from `pack
 carries its host original: its indices are checked there with NumPy (no device work) and
 its device buffer is copied into the static one at once (one copy; two when the round has
 several streams, whose block-table rows have another pitch). A batch of separate device
-arrays is checked on the device (one sync) and copied array by array.
+arrays is checked on the device (one sync) and copied array by array. A caller that checked
+the round itself runs the forward inside `ops.unchecked()` (the engine's runner does), and
+then nothing is checked twice.
 
     round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
 """
@@ -73,12 +75,13 @@ class GraphDecoder:
         if (not decode_shaped or batch.seq_lanes is not None  # recurrent state: not captured
                 or width > kv.shape[2] // batch.page_size):  # wider than the static table
             return self.decoder.forward(batch, kv, kv_scales)
-        if batch.packed is not None and batch.packed.describes(batch):
-            check_indices(batch.packed.layout, batch.packed.host,
-                          vocab=self.weights.embed.out_features, num_slots=kv.shape[2],
-                          page_size=batch.page_size)
-        else:
-            self._check_indices(batch, kv)
+        if getattr(self.ops, "device_checks", True):  # unchecked(): the caller checked (the runner)
+            if batch.packed is not None and batch.packed.describes(batch):
+                check_indices(batch.packed.layout, batch.packed.host,
+                              vocab=self.weights.embed.out_features, num_slots=kv.shape[2],
+                              page_size=batch.page_size)
+            else:
+                self._check_indices(batch, kv)
         key = (rows, seqs, batch.page_size, id(kv), id(kv_scales))
         captured = self._graphs.get(key)
         if captured is None:
