@@ -115,6 +115,25 @@ def warp_sum(v):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
+def block_sum(v, buf):  # noqa: ANN001, ANN201
+    """Sum of v over the block's threads (blockDim.x a power of two; buf: shared memory of at
+    least blockDim.x floats): a fixed tree halving the threads, so every thread gets the same
+    bits whatever the launch. buf is free again on return."""
+    tid = cuda.threadIdx.x
+    buf[tid] = v
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            buf[tid] = buf[tid] + buf[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True)
 def warp_max(v):  # noqa: ANN001, ANN201
     """Butterfly max over the 32 lanes (exact, any order)."""
     offset = 16

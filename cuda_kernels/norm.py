@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from cuda_kernels.env import cuda
+from cuda_kernels.env import block_sum, cuda
 
 NORM_THREADS = 128
 ELEMWISE_THREADS = 256
@@ -47,17 +47,9 @@ def sum_squares(x, row, base, dim):  # noqa: ANN001, ANN201
 
 @cuda.jit(device=True)
 def inv_rms_of(acc, dim, eps, partial):  # noqa: ANN001, ANN201
-    # The block's partial sums -> 1 / rms: a shared-memory tree halving NORM_THREADS -> 1.
-    tid = cuda.threadIdx.x
-    partial[tid] = acc
-    cuda.syncthreads()
-    stride = NORM_THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            partial[tid] = partial[tid] + partial[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    return np.float32(1.0) / math.sqrt(partial[0] / np.float32(dim) + np.float32(eps))
+    # The block's partial sums (a block of NORM_THREADS) -> 1 / rms.
+    total = block_sum(acc, partial)
+    return np.float32(1.0) / math.sqrt(total / np.float32(dim) + np.float32(eps))
 
 
 @cuda.jit

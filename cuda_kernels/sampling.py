@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from cuda_kernels.env import cuda, float_as_int
+from cuda_kernels.env import block_sum, cuda, float_as_int
 
 SAMPLE_THREADS = 256
 _FBUF_SIZE = SAMPLE_THREADS + 2  # partials, then the owner's prefix and the owner thread
@@ -72,23 +72,6 @@ def _key(z):  # noqa: ANN001, ANN201
     if bits < 0:
         return bits ^ 0x7FFFFFFF
     return bits
-
-
-@cuda.jit(device=True)
-def _block_sum(v, buf):  # noqa: ANN001, ANN201
-    # Fixed tree over SAMPLE_THREADS partials; every thread returns the same total.
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    stride = SAMPLE_THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            buf[tid] = buf[tid] + buf[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    total = buf[0]
-    cuda.syncthreads()
-    return total
 
 
 @cuda.jit(device=True)
@@ -145,7 +128,7 @@ def _kept_stats(logits, row, inv_t, m, threshold, want_mass, fbuf):  # noqa: ANN
                 acc += np.float32(math.exp(z - m))
             else:
                 acc += np.float32(1.0)
-    return _block_sum(acc, fbuf)
+    return block_sum(acc, fbuf)
 
 
 @cuda.jit(device=True)
