@@ -4,8 +4,9 @@ template (a failed draft only costs speed) and the stats."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..choice import TargetChooser
 from ..drafting import DraftContext, DraftContexts, zero_stats
 
 if TYPE_CHECKING:
@@ -19,7 +20,10 @@ class ContextDrafter:
 
     name = "context"
 
-    def __init__(self, contexts: DraftContexts, draft_tokens: int):
+    def __init__(self, ops: Any, kv_scales: Any, contexts: DraftContexts, draft_tokens: int):
+        self.ops = ops  # the target's Ops: the drafter's arrays live in the target's run
+        self.kv_scales = kv_scales  # of the drafter's K/V rows (fp8), else None / ones
+        self.choose = TargetChooser(ops)  # each draft as the target will pick it
         self.contexts = contexts
         self.draft_tokens = draft_tokens
         self.num_drafted = 0

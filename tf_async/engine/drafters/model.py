@@ -18,7 +18,6 @@ import numpy as np
 from ...errors import BadInputError
 from ...models.decoder import Decoder, ForwardBatch
 from ..area import AreaLayout
-from ..choice import TargetChooser
 from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option
 from .base import ContextDrafter
 
@@ -36,11 +35,8 @@ class ModelDrafter(ContextDrafter):
 
     def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts,
                  draft_tokens: int):
-        super().__init__(contexts, draft_tokens)
+        super().__init__(decoder.ops, kv_scales, contexts, draft_tokens)
         self.decoder = decoder
-        self.ops = decoder.ops
-        self.kv_scales = kv_scales
-        self.choose = TargetChooser(self.ops)
 
     def _reset(self, ctx: DraftContext) -> None:
         ctx.num_valid = ctx.num_fed = 0

@@ -25,7 +25,6 @@ from ...backend.base import Array
 from ...errors import BadInputError
 from ...models.qwen35 import GatedAttentionWeights
 from ..area import AreaLayout
-from ..choice import TargetChooser
 from ..drafting import DraftContext, DraftContexts, count_accepted
 from .base import ContextDrafter
 from .model import MakeContexts
@@ -44,11 +43,8 @@ class MtpDrafter(ContextDrafter):
 
     def __init__(self, head: MtpHead, kv_scales: Array, contexts: DraftContexts,
                  draft_tokens: int):
-        super().__init__(contexts, draft_tokens)
+        super().__init__(head.ops, kv_scales, contexts, draft_tokens)  # kv_scales: [1, 2]
         self.head = head
-        self.ops = head.ops
-        self.kv_scales = kv_scales  # [1, 2] K/V scales of the ring (fp8), else ones
-        self.choose = TargetChooser(self.ops)
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
         return ready(ctx, seq)
