@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from tf_async import Engine
 
+T = TypeVar("T")
 STUCK_AFTER_S = 60.0  # far beyond any tiny-model run: only a stuck engine gets there
+
+
+def engines_on_ops(monkeypatch: Any, make: Callable[[], T]) -> list[T]:
+    """Engines built from now on run on `make()` ops (one per engine, in order of building);
+    the list returned fills as they are built."""
+    made: list[T] = []
+
+    def make_ops(device: str = "auto") -> T:
+        made.append(make())
+        return made[-1]
+
+    monkeypatch.setattr("tf_async.engine.build.make_ops", make_ops)
+    return made
 
 
 async def idle_stats(eng: Engine) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engine_helpers import idle_stats
+from tests.engine_helpers import engines_on_ops, idle_stats
 from tf_async import Engine
 from tf_async.api_types import SamplingParams
 from tf_async.backend.base import device_sampler
@@ -187,14 +187,7 @@ def test_without_a_device_sampler_every_row_goes_to_the_host_as_before():
 @pytest.fixture
 def device_ops(monkeypatch: pytest.MonkeyPatch) -> list[DeviceStyleOps]:
     """Engines built while this is active run on DeviceStyleOps (one per engine, in order)."""
-    made: list[DeviceStyleOps] = []
-
-    def make_ops(device: str = "auto") -> DeviceStyleOps:
-        made.append(DeviceStyleOps())
-        return made[-1]
-
-    monkeypatch.setattr("tf_async.engine.build.make_ops", make_ops)
-    return made
+    return engines_on_ops(monkeypatch, DeviceStyleOps)
 
 
 def make_engine(ckpt, **kw: Any) -> Engine:

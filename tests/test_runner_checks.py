@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.engine_helpers import engines_on_ops
 from tf_async.api import Engine
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.errors import BadInputError
@@ -44,14 +45,7 @@ class CheckTrackingOps:
 
 @pytest.fixture
 def tracking_ops(monkeypatch: pytest.MonkeyPatch) -> list[CheckTrackingOps]:
-    made: list[CheckTrackingOps] = []
-
-    def make_ops(device: str = "auto") -> CheckTrackingOps:
-        made.append(CheckTrackingOps())
-        return made[-1]
-
-    monkeypatch.setattr("tf_async.engine.build.make_ops", make_ops)
-    return made
+    return engines_on_ops(monkeypatch, CheckTrackingOps)
 
 
 async def generate(ckpt, prompt: list[int]) -> list[int]:  # noqa: ANN001
