@@ -10,29 +10,19 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from graph_timing import graph_seconds
 
 LAYERS, H, NH, NKV, HD, PAGE = 36, 4096, 32, 8, 128, 16
 
 
 def graph_us(cp, fn) -> float:  # noqa: ANN001
     """Microseconds per call of fn(layer) for LAYERS calls captured in one graph."""
-    stream = cp.cuda.Stream(non_blocking=False)
-    with stream:
+
+    def record(stream) -> None:  # noqa: ANN001 - the ops launch on CuPy's current stream
         for layer in range(LAYERS):
             fn(layer)
-        stream.synchronize()
-        stream.begin_capture()
-        for layer in range(LAYERS):
-            fn(layer)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(20):
-            graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) * 1e3 / (20 * LAYERS)
+
+    return graph_seconds(cp, record, replays=20) * 1e6 / LAYERS
 
 
 def context_ops(ops, rows: int, ctx: int, qkv, norm, inv_freq) -> list:  # noqa: ANN001

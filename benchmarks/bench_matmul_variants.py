@@ -16,6 +16,7 @@ import argparse
 import itertools
 
 import numpy as np
+from graph_timing import graph_seconds
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "k": (1024, 4096), "lm_head": (151936, 4096)}
@@ -47,29 +48,15 @@ def time_variant(cp, cuda, kind, variant, copies, rows: int, in_f: int, out_f: i
     x = cp.random.standard_normal((rows, in_f), dtype=cp.float32)
     out = cp.empty((rows, out_f), cp.float32)
     ids = cp.zeros(1, cp.int32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    nstream = cuda.external_stream(stream.ptr)
     dev = [cuda.as_cuda_array(a, sync=False) for a in (x, ids, out)]
+    weights = [[cuda.as_cuda_array(a, sync=False) for a in parts] for parts in copies]
 
-    def launch_all() -> None:
-        for w, s, b in copies:
-            args = [cuda.as_cuda_array(a, sync=False) for a in (w, s, b)]
-            _go(kernel, grid, block, nstream, dev[0], *args, dev[1], dev[2])
+    def launch_all(stream) -> None:  # noqa: ANN001
+        nstream = cuda.external_stream(stream.ptr)
+        for w, s, b in weights:
+            _go(kernel, grid, block, nstream, dev[0], w, s, b, dev[1], dev[2])
 
-    with stream:
-        launch_all()  # compile + warm
-        stream.synchronize()
-        stream.begin_capture()
-        launch_all()
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(10):
-            graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / (10 * len(copies))
+    return graph_seconds(cp, launch_all) / len(copies)
 
 
 def launch_cost(cp, cuda, count: int = 400) -> float:  # noqa: ANN001
@@ -82,24 +69,14 @@ def launch_cost(cp, cuda, count: int = 400) -> float:  # noqa: ANN001
             a[i] += 1.0
 
     a = cp.zeros(256, cp.float32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    nstream = cuda.external_stream(stream.ptr)
     da = cuda.as_cuda_array(a, sync=False)
-    with stream:
-        bump[1, 256, nstream](da)
-        stream.synchronize()
-        stream.begin_capture()
+
+    def launch_all(stream) -> None:  # noqa: ANN001
+        nstream = cuda.external_stream(stream.ptr)
         for _ in range(count):
             bump[1, 256, nstream](da)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(10):
-            graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / (10 * count)
+
+    return graph_seconds(cp, launch_all) / count
 
 
 def candidates(rows: int) -> list:  # noqa: ANN201
