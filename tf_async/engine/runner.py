@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..backend.base import DeviceSampler, Ops, device_sampler
-from ..models.batch_io import check_indices, pack_batch
+from ..models.batch_io import check_indices, pack_batch, packed_of
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
 from .choice import choose_on_device
@@ -152,8 +152,8 @@ class Runner:
         and run the forward without the backend's per-op device checks (on the GPU each is a
         host sync: a few per layer). A batch without a host copy keeps the device checks."""
         unchecked = getattr(self.ops, "unchecked", None)
-        packed = batch.packed
-        if unchecked is None or packed is None or not packed.describes(batch):
+        packed = packed_of(batch)
+        if unchecked is None or packed is None:
             return nullcontext()
         check_indices(packed.layout, packed.host, vocab=self.decoder.weights.embed.out_features,
                       num_slots=int(self.arena.kv.shape[2]), page_size=batch.page_size)

@@ -130,6 +130,13 @@ class PackedBatch:
             getattr(batch, name) is getattr(dv, name) for name in FIELDS)
 
 
+def packed_of(batch: ForwardBatch) -> PackedBatch | None:
+    """The batch's packed buffers while its fields are still their views, else None (a batch
+    built from separate arrays, or rebuilt with dataclasses.replace)."""
+    packed = batch.packed
+    return packed if packed is not None and packed.describes(batch) else None
+
+
 def pack_host(*, token_ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
               row_seq: Sequence[int] | np.ndarray, block_table: np.ndarray,
               logit_rows: Sequence[int] | np.ndarray, page_size: int,

@@ -129,10 +129,10 @@ def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
     (e.g. mixed GGUF quant types) or carry some biases but not all is not fused."""
     fused: list[FusedLayer | None] = []
     for i, layer in enumerate(weights.layers):
-        qkv = ops.concat_linears([layer.q, layer.k, layer.v])
         biases = (layer.q_bias, layer.k_bias, layer.v_bias)
         has_bias = [b is not None for b in biases]
-        if qkv is None or (any(has_bias) and not all(has_bias)):
+        qkv = None if any(has_bias) and not all(has_bias) else ops.concat_linears([layer.q, layer.k, layer.v])
+        if qkv is None:
             fused.append(None)
             continue
         qkv_bias = ops.xp.concatenate(biases) if all(has_bias) else None

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..backend.base import Array
 from ..errors import BadInputError
-from .batch_io import Layout, check_indices
+from .batch_io import Layout, check_indices, packed_of
 from .decoder import Decoder, ForwardBatch
 
 
@@ -76,8 +76,9 @@ class GraphDecoder:
                 or width > kv.shape[2] // batch.page_size):  # wider than the static table
             return self.decoder.forward(batch, kv, kv_scales)
         if getattr(self.ops, "device_checks", True):  # unchecked(): the caller checked (the runner)
-            if batch.packed is not None and batch.packed.describes(batch):
-                check_indices(batch.packed.layout, batch.packed.host,
+            packed = packed_of(batch)
+            if packed is not None:
+                check_indices(packed.layout, packed.host,
                               vocab=self.weights.embed.out_features, num_slots=kv.shape[2],
                               page_size=batch.page_size)
             else:
@@ -174,9 +175,8 @@ def _load(xp: Any, cap: _Captured, batch: ForwardBatch) -> None:
     whose layout shares the static prefix: one copy of its buffer (one stream: its table row
     is a prefix of the static one; the tail of the static row keeps entries no position
     reaches), or the prefix and then the table (several streams: another row pitch)."""
-    packed, static = batch.packed, cap.batch
-    if (packed is not None and packed.layout.table_offset == cap.layout.table_offset
-            and packed.describes(batch)):
+    packed, static = packed_of(batch), cap.batch
+    if packed is not None and packed.layout.table_offset == cap.layout.table_offset:
         if packed.layout.seqs == 1:
             _copy_words(cap.buffer, packed.device, packed.layout.words)
         else:

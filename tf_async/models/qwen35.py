@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..backend.base import Array, Ops
+from .batch_io import packed_of
 from .config import ModelConfig
 from .decoder import ForwardBatch
 from .rope import rope_tables
@@ -347,9 +348,8 @@ class HybridDecoder:
         if batch.seq_lanes is None:
             raise ValueError("HybridDecoder.forward: batch.seq_lanes is required (lane of each "
                              "block-table row) to index the recurrent state")
-        packed = batch.packed  # the host copy when there is one: no device sync
-        lanes = (packed.host_views.seq_lanes if packed is not None and packed.describes(batch)
-                 else self.ops.to_host(batch.seq_lanes))
+        packed = packed_of(batch)  # the host copy when there is one: no device sync
+        lanes = packed.host_views.seq_lanes if packed is not None else self.ops.to_host(batch.seq_lanes)
         if lanes.size and (int(lanes.min()) < 0 or int(lanes.max()) >= states.num_lanes):
             raise ValueError(f"HybridDecoder.forward: seq_lanes {lanes.tolist()} outside "
                              f"[0, {states.num_lanes})")
