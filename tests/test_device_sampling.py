@@ -252,6 +252,31 @@ async def test_greedy_on_the_device_equals_host_greedy_and_copies_no_logits(tiny
 
 
 @pytest.mark.asyncio
+async def test_a_failed_step_isolates_with_device_choices_and_others_stay_unchanged(tiny_llama, device_ops):
+    """A fault in one request's prompt step: the runner re-runs the round's requests one by
+    one (Runner._isolate), and those still choose on the device; only that request fails."""
+    kwargs = [dict(max_tokens=12, seed=40 + i, **SEEDED) for i in range(4)]
+    async with make_engine(tiny_llama) as eng:
+        want = [c.token_ids for c in await complete_all(eng, kwargs)]
+        bad_ids = eng.tokenizer.encode(PROMPTS[2])
+
+        def inject(rows: SeqRows) -> None:
+            if rows.token_ids[:3] == tuple(bad_ids[:3]) and rows.start_pos == 0:
+                raise RuntimeError("injected fault")
+
+        eng.parts.runner.fault_injector = inject
+        launches = len(device_ops[-1].launches)
+        outs = await asyncio.gather(*(eng.complete(PROMPTS[i], **kwargs[i]) for i in range(4)),
+                                    return_exceptions=True)
+        assert isinstance(outs[2], Exception) and "injected fault" in str(outs[2])
+        assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [want[i] for i in (0, 1, 3)]
+        assert len(device_ops[-1].launches) > launches
+        assert device_ops[-1].logit_copies() == []
+        stats = await idle_stats(eng)
+        assert stats["pages_in_use"] == 0 and stats["lanes_in_use"] == 0
+
+
+@pytest.mark.asyncio
 async def test_mixed_batch_host_requests_unchanged_device_requests_reproducible(tiny_llama,
                                                                                  device_ops):
     kwargs: list[dict[str, Any]] = [  # device and host rows interleaved in every round
