@@ -31,23 +31,10 @@ V = 320  # tests/tiny.py TINY_VOCAB
 SEEDED = dict(temperature=8.0, top_k=40, top_p=0.9)  # far from greedy on a tiny random model
 
 
-def twin_uniform(seed: int, position: int) -> float:
-    """cuda_kernels/sampling.py's draw of (seed, position) (uniform_host), in Python ints."""
-    mask = (1 << 64) - 1
-
-    def mix(z: int) -> int:
-        z ^= z >> 30
-        z = (z * 0xBF58476D1CE4E5B9) & mask
-        z ^= z >> 27
-        z = (z * 0x94D049BB133111EB) & mask
-        return z ^ (z >> 31)
-
-    h = mix(mix((seed + 0x9E3779B97F4A7C15) & mask) ^ (position & mask))
-    return float(np.float32((h >> 40) * 2.0**-24))
-
-
 def twin_sample(row: np.ndarray, temp: float, top_k: int, top_p: float, seed: int, pos: int) -> int:
     """One row as the device sampler picks it (tests/cuda_sim_check.py's reference)."""
+    from cuda_kernels.sampling import uniform_host  # the device's draw, in Python ints
+
     if not temp > 0:
         return int(np.argmax(row))
     z = row.astype(np.float64) / temp
@@ -57,7 +44,7 @@ def twin_sample(row: np.ndarray, temp: float, top_k: int, top_p: float, seed: in
     kept = order[: np.searchsorted(np.cumsum(p) / p.sum(), top_p) + 1]
     kept = kept[np.lexsort((kept, kept % 256))]  # thread-major draw order
     pk = np.exp(z[kept] - z.max())
-    return int(kept[min(np.searchsorted(np.cumsum(pk), twin_uniform(seed, pos) * pk.sum(),
+    return int(kept[min(np.searchsorted(np.cumsum(pk), uniform_host(seed, pos) * pk.sum(),
                                         side="right"), len(kept) - 1)])
 
 
