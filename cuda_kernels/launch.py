@@ -8,6 +8,8 @@ bit-identical rows (same reduction order), so the choice never changes a token.
 
 from __future__ import annotations
 
+import numpy as _np
+
 from cuda_kernels import attention as _attn
 from cuda_kernels import heads as _heads
 from cuda_kernels import kv as _kv
@@ -65,14 +67,32 @@ def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None)
     _go(_mm.embed_affine, (out.shape[0],), 128, stream, codes, scales, biases, bits, group_size, ids, out)
 
 
-def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None) -> None:  # noqa: ANN001, E501
-    """Paged causal GQA attention; the KV dtype picks the kernel."""
+def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: ANN001, E501
+              *, scratch=None) -> None:
+    """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
+    kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
+    (cuda_kernels/attention.py). scratch: float32 of attention.scratch_shape(rows, num_heads,
+    head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here). Rows
+    run in slices of scratch.shape[0]; the grid depends only on shapes, never on row_pos."""
     rows, num_heads, head_dim = q.shape
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim)
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
-    grid = (rows, num_heads // heads_blk)
-    args = (q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale)
-    _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, heads_blk, out)
+    head_blocks = num_heads // heads_blk
+    shape = _attn.scratch_shape(rows, num_heads, head_dim, block_table.shape[1], page_size)
+    if scratch is None:  # NumPy under the simulator, else a Numba device array
+        scratch = (_np.empty(shape, _np.float32) if _attn.SIMULATOR
+                   else _attn.cuda.device_array(shape, _np.float32, stream=stream or 0))
+    if tuple(scratch.shape[1:]) != shape[1:] or scratch.shape[0] < 1 or scratch.dtype != _np.float32:
+        raise ValueError(f"attention scratch: expected float32 [n, {', '.join(map(str, shape[1:]))}], "
+                         f"got {scratch.dtype} {tuple(scratch.shape)}")
+    step = scratch.shape[0]
+    for r0 in range(0, rows, step):
+        n = min(rows, r0 + step) - r0
+        pos = row_pos[r0 : r0 + n]
+        grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
+        args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
+        _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, heads_blk, scratch)
+        _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, pos, scratch, out[r0 : r0 + n])
 
 
 def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # noqa: ANN001

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -272,40 +273,127 @@ def check_embed(rng: np.random.Generator) -> None:
     assert rel_err(out, deq[0][ids]) < 1e-6
 
 
-def check_attention(rng: np.random.Generator) -> None:
+@contextmanager
+def _quick_barriers() -> Iterator[None]:
+    """The simulator runs a block as Python threads that poll at every syncthreads; a short
+    GIL switch interval makes those barriers several times faster (same results)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _attend(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale, **kw):  # noqa: ANN001, ANN003, ANN202
     from cuda_kernels import launch
 
+    out = np.full(q.shape, np.nan, np.float32)
+    launch.attention(q, kv_layer, np.float32(scales[0]), np.float32(scales[1]), block_table, row_seq, row_pos,
+                     page_size, np.float32(sm_scale), out, **kw)
+    return out
+
+
+def check_attention(rng: np.random.Generator) -> None:
+    """Several key chunks (cuda_kernels/attention.py CHUNK_KEYS is 16 under the simulator):
+    row_pos 0, at the last key of a chunk, at the first key of the next, across chunks; every
+    KV dtype against float64; a row alone == the same row in a batch == the same row in a batch
+    with a wider block table, a one-block-per-row grid and row slices, bit for bit."""
+    from cuda_kernels import attention as attn
+
+    chunk = attn.CHUNK_KEYS
     page_size, nkv, hd, nh = 4, 2, 16, 4
     block_table, kv_f32 = paged_setup(rng, seqs=2, max_pages=10, page_size=page_size, nkv=nkv, hd=hd)
-    row_seq = np.array([0, 1, 1], np.int32)
-    row_pos = np.array([0, 33, 34], np.int64)
-    q = rng.standard_normal((3, nh, hd)).astype(np.float32)
+    row_seq = np.array([0, 1, 1, 0, 1], np.int32)
+    row_pos = np.array([0, chunk - 1, chunk, 34, 39], np.int64)
+    q = rng.standard_normal((5, nh, hd)).astype(np.float32)
+    wide = np.concatenate([block_table, rng.permutation(block_table.size)[:2 * 7].reshape(2, 7).astype(np.int32)
+                           % block_table.max()], axis=1)
     scales = (0.02, 0.03)
-    for kind, bound in (("f32", 1e-5), ("bf16", 1e-5), ("fp8", 1e-5)):
-        kv_layer = to_kv_dtype(kv_f32 * 4.0, kind, scales)
-        out = np.full(q.shape, np.nan, np.float32)
-        args = (np.float32(scales[0]), np.float32(scales[1]), block_table, row_seq, row_pos, page_size)
-        launch.attention(q, kv_layer, *args, np.float32(0.25), out)
-        ref = attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, 0.25)
-        assert rel_err(out, ref) < bound, (kind, rel_err(out, ref))
-        solo = np.full((1, nh, hd), np.nan, np.float32)
-        launch.attention(q[2:3], kv_layer, *args[:3], row_seq[2:3], row_pos[2:3], page_size, np.float32(0.25), solo)
-        assert np.array_equal(solo[0], out[2]), "attention row depends on the batch"
+    with _quick_barriers():
+        for kind in ("f32", "bf16", "fp8"):
+            kv_layer = to_kv_dtype(kv_f32 * 4.0, kind, scales)
+            args = (kv_layer, scales, block_table, row_seq, row_pos, page_size, 0.25)
+            out = _attend(q, *args)
+            ref = attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, 0.25)
+            assert rel_err(out, ref) < 1e-5, (kind, rel_err(out, ref))
+            for r in (0, 2, 3) if kind == "bf16" else (3,):
+                solo = _attend(q[r : r + 1], kv_layer, scales, block_table, row_seq[r : r + 1], row_pos[r : r + 1],
+                               page_size, 0.25)
+                assert np.array_equal(solo[0], out[r]), f"{kind}: attention row {r} depends on the batch"
+            if kind != "bf16":
+                continue
+            # Grid and table width never change a row: a wider table (more chunk blocks), one
+            # chunk block per row (each walks all its chunks), row slices of a small scratch.
+            rows = np.array([3, 1, 4, 0, 2])
+            wider = _attend(q[rows], kv_layer, scales, wide, row_seq[rows], row_pos[rows], page_size, 0.25)
+            assert np.array_equal(wider, out[rows]), "attention row depends on the table width"
+            saved = attn.TARGET_BLOCKS, attn.SCRATCH_BUDGET_BYTES
+            try:
+                attn.TARGET_BLOCKS = 1
+                attn.SCRATCH_BUDGET_BYTES = 1
+                sliced = _attend(q, *args)
+            finally:
+                attn.TARGET_BLOCKS, attn.SCRATCH_BUDGET_BYTES = saved
+            assert np.array_equal(sliced, out), "attention row depends on the grid or the row slices"
+            _check_attention_cpu_twin(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
+    _check_attention_prompt(rng)
+
+
+def _check_attention_cpu_twin(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:  # noqa: ANN001
+    try:
+        from tf_async.backend.cpu import kernels as cpu
+    except ImportError:
+        return
+    host = np.full_like(q, np.nan)
+    cpu.paged_attention(q, kv_layer, 1.0, 1.0, block_table, row_seq, row_pos, page_size, 0.25, host)
+    assert rel_err(out, host) < 1e-5, rel_err(out, host)
+
+
+def _check_attention_prompt(rng: np.random.Generator) -> None:
+    """A prompt-style launch: consecutive causal rows of one stream crossing chunk boundaries,
+    against float64, and one row of it alone, bit for bit."""
+    chunk = 16  # CHUNK_KEYS under the simulator
+    page_size, nkv, hd, nh = 4, 1, 32, 2
+    block_table, kv_f32 = paged_setup(rng, seqs=1, max_pages=9, page_size=page_size, nkv=nkv, hd=hd)
+    row_pos = np.arange(chunk - 3, 2 * chunk + 2, dtype=np.int64)
+    row_seq = np.zeros(row_pos.shape[0], np.int32)
+    q = rng.standard_normal((row_pos.shape[0], nh, hd)).astype(np.float32)
+    kv_layer = to_kv_dtype(kv_f32, "fp8", (0.01, 0.02))
+    with _quick_barriers():
+        out = _attend(q, kv_layer, (0.01, 0.02), block_table, row_seq, row_pos, page_size, 0.2)
+        ref = attention_ref(q, kv_layer, (0.01, 0.02), block_table, row_seq, row_pos, page_size, 0.2)
+        assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+        r = 4  # row_pos == chunk + 1
+        solo = _attend(q[r : r + 1], kv_layer, (0.01, 0.02), block_table, row_seq[:1], row_pos[r : r + 1],
+                       page_size, 0.2)
+        assert np.array_equal(solo[0], out[r]), "prompt row depends on the other rows"
 
 
 def check_attention_wide_heads(rng: np.random.Generator) -> None:
-    """head_dim 256 (16-key tiles) and a GQA group of 16 (two blocks per KV head)."""
-    from cuda_kernels import launch
-
+    """head_dim 160 (the 256 variant) with a GQA group of 16 (several blocks per KV head), and
+    head_dim 128 (fp8) / 256 (bf16) over several chunks."""
     page_size, nkv, hd, nh = 8, 1, 160, 16
     block_table, kv_f32 = paged_setup(rng, seqs=1, max_pages=3, page_size=page_size, nkv=nkv, hd=hd)
     row_seq = np.array([0], np.int32)
     row_pos = np.array([19], np.int64)
     q = rng.standard_normal((1, nh, hd)).astype(np.float32)
-    out = np.full(q.shape, np.nan, np.float32)
-    launch.attention(q, kv_f32, np.float32(1), np.float32(1), block_table, row_seq, row_pos, page_size, np.float32(0.1), out)
-    ref = attention_ref(q, kv_f32, (1.0, 1.0), block_table, row_seq, row_pos, page_size, 0.1)
-    assert rel_err(out, ref) < 1e-5
+    with _quick_barriers():
+        out = _attend(q, kv_f32, (1.0, 1.0), block_table, row_seq, row_pos, page_size, 0.1)
+        ref = attention_ref(q, kv_f32, (1.0, 1.0), block_table, row_seq, row_pos, page_size, 0.1)
+        assert rel_err(out, ref) < 1e-5
+        for hd, kind in ((128, "fp8"), (256, "bf16")):
+            block_table, kv_f32 = paged_setup(rng, seqs=1, max_pages=5, page_size=page_size, nkv=1, hd=hd)
+            row_seq = np.array([0, 0], np.int32)
+            row_pos = np.array([16, 37], np.int64)
+            q = rng.standard_normal((2, 2, hd)).astype(np.float32)
+            scales = (0.03, 0.05)
+            kv_layer = to_kv_dtype(kv_f32, kind, scales)
+            out = _attend(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, hd**-0.5)
+            ref = attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, hd**-0.5)
+            assert rel_err(out, ref) < 1e-5, (hd, kind, rel_err(out, ref))
+            solo = _attend(q[1:], kv_layer, scales, block_table, row_seq[1:], row_pos[1:], page_size, hd**-0.5)
+            assert np.array_equal(solo[0], out[1]), (hd, kind, "attention row depends on the batch")
 
 
 def check_kv_write(rng: np.random.Generator) -> None:

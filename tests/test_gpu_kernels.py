@@ -206,6 +206,73 @@ def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN00
         assert np.array_equal(solo[0], out[r]), f"row {r} depends on the batch"
 
 
+@pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (8, 2, 256)])
+def test_paged_attention_long_context(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN001
+    """2048 keys (8 chunks of cuda_kernels.attention.CHUNK_KEYS), rows at chunk boundaries and
+    a causal prompt run; a row alone == in the batch == in a batch with a block table twice as
+    wide == through CudaOps.attention (its own scratch), bit for bit."""
+    from cuda_kernels.attention import CHUNK_KEYS
+
+    page_size, scales = 16, (0.05, 0.04)
+    bt, kv = ref.paged_setup(rng, seqs=2, max_pages=130, page_size=page_size, nkv=nkv, hd=hd)
+    kv_layer = ref.to_kv_dtype(kv * 3, kv_kind, scales)
+    prompt = np.arange(1000, 1040, dtype=np.int64)
+    row_pos = np.concatenate([[2047, 0, CHUNK_KEYS - 1, CHUNK_KEYS, 3 * CHUNK_KEYS + 5, 2079], prompt])
+    row_seq = np.concatenate([[0, 1, 1, 0, 1, 0], np.ones(prompt.shape[0])]).astype(np.int32)
+    q = rng.standard_normal((row_pos.shape[0], nh, hd)).astype(np.float32)
+    out = _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
+    want = ref.attention_ref(q, kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
+    assert ref.rel_err(out, want) < ATTN_BOUND
+    solo = _attention(ops, q[:1], kv_layer, scales, bt, row_seq[:1], row_pos[:1], page_size, hd**-0.5)
+    assert np.array_equal(solo[0], out[0]), "the 2048-key row depends on the batch"
+    wide = np.concatenate([bt, np.zeros_like(bt)], axis=1)
+    again = _attention(ops, q, kv_layer, scales, wide, row_seq, row_pos, page_size, hd**-0.5)
+    assert np.array_equal(again, out), "attention depends on the block-table width"
+    via_ops = ops.attention(ops.asarray(q), ops.asarray(kv_layer[None]), 0,
+                            ops.asarray(np.array([scales], np.float32)), ops.asarray(bt),
+                            ops.asarray(row_seq), ops.asarray(row_pos), page_size, hd**-0.5)
+    assert np.array_equal(ops.to_host(via_ops), out), "CudaOps.attention differs from the launcher"
+
+
+@pytest.mark.parametrize("keys", [72, 2048])
+def test_attention_decode_time_qwen3_8b(ops, rng, keys) -> None:  # noqa: ANN001
+    """One decode row of Qwen3-8B (32 q heads, 8 KV heads, head_dim 128, bf16 KV) at `keys`
+    keys, with a static block table 16K keys wide as graph_decoder uses: prints microseconds
+    per layer of graph replays (pytest -s); a measurement, never a timed assertion."""
+    from cuda_kernels import launch
+
+    xp, page_size, layers = ops.xp, 16, 8
+    bt, kv = ref.paged_setup(rng, seqs=1, max_pages=1024, page_size=page_size, nkv=8, hd=128)
+    first = ops.asarray(ref.to_kv_dtype(kv, "bf16", (1.0, 1.0)))
+    kv_layers = [first.copy() for _ in range(layers)]  # more than L2 holds, as in a model
+    q = xp.asarray(rng.standard_normal((1, 32, 128)).astype(np.float32))
+    out = xp.empty_like(q)
+    tables = [xp.asarray(a) for a in (bt, np.zeros(1, np.int32), np.array([keys - 1], np.int64))]
+    stream = xp.cuda.Stream(non_blocking=False)
+    with stream:
+        from cuda_kernels.attention import scratch_shape
+
+        scratch = ops._dev(xp.empty(scratch_shape(1, 32, 128, bt.shape[1], page_size), xp.float32))
+        args = [ops._dev(a) for a in tables]
+        for phase in ("compile", "capture"):
+            if phase == "capture":
+                stream.begin_capture(mode=getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None))
+            for kv_layer in kv_layers:
+                launch.attention(ops._dev(q), ops._dev(kv_layer), np.float32(1), np.float32(1), *args, page_size,
+                                 np.float32(128**-0.5), ops._dev(out), ops._stream(), scratch=scratch)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start = stream.record()
+        for _ in range(10):
+            graph.launch(stream)
+        stop = stream.record()
+        stop.synchronize()
+    us = xp.cuda.get_elapsed_time(start, stop) * 1e3 / (10 * layers)
+    print(f"attention 1 row, {keys} keys: {us:8.1f} us per layer, {36 * us / 1e3:6.2f} ms per 36 layers")
+    assert us > 0
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_kv_write_bits(ops, rng, kv_dtype) -> None:  # noqa: ANN001
     from cuda_kernels import launch
