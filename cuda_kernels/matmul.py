@@ -9,10 +9,12 @@ each row from `expert_ids` (MoE dispatch without a host round trip).
 Reduction order of out[r, o] (the same in every variant below, so a row's bits do not depend
 on the rows sharing the launch, the rows per block, the features per warp or the path):
   lane l of one warp takes words l, l+32, l+64, ... of row o in ascending order and, inside
-  a word, elements j = 0..per_word-1: acc = fma(x[r, k], w(o, k), acc), k = word*per_word + j;
+  a word, elements j = 0..per_word-1, k = word*per_word + j;
+  - dense kinds: acc = fma(x[r, k], w(o, k), acc);
+  - affine kinds (factorized: the word's elements share one scale s and bias b):
+    p = fma chain of q(o, k) * x[r, k] over j from 0, xs = x[r, k0] + x[r, k0+1] + ... left
+    to right, then acc = fma(b, xs, fma(s, p, acc));
   then a butterfly sum over the 32 lanes (offsets 16, 8, 4, 2, 1).
-  Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see
-  _make_affine_decoder).
 
 Work split (a `Variant`; see plan()): a block of WARPS_PER_BLOCK warps; each warp owns
 `feats` output features and the block's `rows_tile` rows, so every weight word is loaded
@@ -73,6 +75,10 @@ if SIMULATOR:
         return a[i]
 
     @cuda.jit(device=True)
+    def _at(row, i):  # noqa: ANN001, ANN202
+        return row[i:]
+
+    @cuda.jit(device=True)
     def _ld_u32(row, i):  # noqa: ANN001, ANN202
         return row[i].view(np.uint32)  # the bits, also of a float32 row
 
@@ -121,6 +127,14 @@ else:
 
     def _address(builder, row, i):  # noqa: ANN001, ANN202
         return builder.add(row, builder.shl(i, ir.Constant(ir.IntType(64), 2)))
+
+    @intrinsic
+    def _at(typingctx, row, i):  # noqa: ANN001, ANN202
+        """The reference of element i of the row (its address: row + 4 * i)."""
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            return _address(builder, args[0], context.cast(builder, args[1], sig.args[1], types.int64))
+
+        return types.int64(row, i), codegen
 
     def _asm_load(ptx: str, count: int, reg: str, ret_type):  # noqa: ANN001, ANN202
         """An intrinsic load(row, i) of `count` 32-bit values at element i of the row."""
@@ -181,7 +195,7 @@ else:
 
 
 @cuda.jit(device=True)
-def _decode_bits(half, m, scale, bias):  # noqa: ANN001, ANN202
+def _decode_bits(half, m):  # noqa: ANN001, ANN202
     return _bits_f32(half)
 
 
@@ -197,21 +211,22 @@ def _split_bf16(word):  # noqa: ANN001, ANN202
 
 def _make_decoder(kind: str):  # noqa: ANN202
     """(split, decode): split(word) -> (lo, hi), the word's two 16-bit halves prepared once;
-    decode(half, m, scale, bias) -> float32 value of element m of that half (m is a
-    compile-time constant once the caller's loops are unrolled)."""
+    decode(half, m) -> float32 value of element m of that half: the value itself (dense
+    kinds) or its code q (affine kinds; the scale and bias are applied per word, see
+    _make_affine_word_step). m is a compile-time constant once the caller's loops are
+    unrolled."""
     if kind == "f32":
         return _split_f32, _decode_bits
     if kind == "bf16":
         return _split_bf16, _decode_bits
-    return _make_affine_decoder(32 // PER_WORD[kind])
+    return _make_code_decoder(32 // PER_WORD[kind])
 
 
-def _make_affine_decoder(bits: int):  # noqa: ANN202
+def _make_code_decoder(bits: int):  # noqa: ANN202
     # Each half, its 16 bits in the mantissa of a float with every exponent bit set. Element
     # m (a code q at bit bits*m) is then one AND away from the float 2**e + q, where
     # e = 23 - bits*m: keep the code's bits and exponent 127 + e. Subtracting 2**e gives q
-    # exactly, and fma(q, scale, bias) follows: one logic op and one add an element, no
-    # shift and no int->float conversion.
+    # exactly: one logic op and one add an element, no shift and no int->float conversion.
     mask = (1 << bits) - 1
 
     @cuda.jit(device=True)
@@ -220,12 +235,12 @@ def _make_affine_decoder(bits: int):  # noqa: ANN202
         return lo, (word >> np.uint32(16)) + np.uint32(0x7F800000)
 
     @cuda.jit(device=True)
-    def decode_affine(half, m, scale, bias):  # noqa: ANN001, ANN202
+    def decode_code(half, m):  # noqa: ANN001, ANN202
         exponent = np.uint32((150 - bits * m) << 23)  # the bits of 2**(23 - bits*m)
         field = half & (exponent | np.uint32(mask << (bits * m)))
-        return cuda.fma(_bits_f32(field) - _bits_f32(exponent), scale, bias)
+        return _bits_f32(field) - _bits_f32(exponent)
 
-    return split_affine, decode_affine
+    return split_affine, decode_code
 
 
 # ---------------------------------------------------------------- the kernel
@@ -262,18 +277,24 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
     @cuda.jit(device=True)
     def fetch(w_rows, first_word, words, wb):  # noqa: ANN001, ANN202
         # wb[u * feats + f] = word first_word + 32u of feature f, for the words that exist;
-        # one test for a whole step in the common case, so the loads take immediate offsets.
-        if first_word + 32 * (unroll - 1) < words:
+        # one test for a whole step in the common case. Loads at constant offsets from one
+        # reference per feature.
+        full = first_word + 32 * (unroll - 1) < words
+        for f in range(feats):
+            at = _at(w_rows[f], first_word)
             for u in range(unroll):
-                for f in range(feats):
-                    wb[u * feats + f] = _ld_u32(w_rows[f], first_word + 32 * u)
-        else:
-            for u in range(unroll):
-                if first_word + 32 * u < words:
-                    for f in range(feats):
-                        wb[u * feats + f] = _ld_u32(w_rows[f], first_word + 32 * u)
+                if full or first_word + 32 * u < words:
+                    wb[u * feats + f] = _ld_u32(at, 32 * u)
 
-    return fetch
+    @cuda.jit(device=True)
+    def fetch_full(w_rows, first_word, wb):  # noqa: ANN001, ANN202
+        # fetch() of a step known to be whole: no test at all.
+        for f in range(feats):
+            at = _at(w_rows[f], first_word)
+            for u in range(unroll):
+                wb[u * feats + f] = _ld_u32(at, 32 * u)
+
+    return fetch, fetch_full
 
 
 def _make_refs(variant: Variant, affine: bool, swiglu: bool):  # noqa: ANN202
@@ -315,34 +336,76 @@ def _make_prefetch_scales(feats: int):  # noqa: ANN202
 
 
 def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
+    if kind in ("q4", "q8"):
+        return _make_affine_word_step(kind, variant)
     per_word, xb = PER_WORD[kind], X_BATCH[kind]
     per_half = max(1, per_word // 2)
     rows_tile, feats = variant.rows_tile, variant.feats
-    affine = kind in ("q4", "q8")
     split, decode = _make_decoder(kind)
     load_x = _make_x_loader(xb, variant.vec_x)
 
     @cuda.jit(device=True)
-    def word_step(x_rows, s_rows, b_rows, word, group, cw, work, acc):  # noqa: ANN001, ANN202
-        # The elements of `word` (cw[f]: its bits for feature f): decode xb elements of
+    def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):  # noqa: ANN001, ANN202
+        # The elements of a word (cw[f]: its bits for feature f; its x at element xk of the
+        # row references, its scale and bias at `group`): decode xb elements of
         # every feature once, then one fma per row and feature, elements ascending.
-        halves, wd, sv, xv = work
+        halves, wd, _, xv, _, _ = work
         for f in range(feats):
-            if affine:
-                sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
             halves[2 * f], halves[2 * f + 1] = split(cw[f])
         for h in range(per_word // xb):
             for f in range(feats):
                 for i in range(xb):
                     j = h * xb + i
-                    half = halves[2 * f + j // per_half]
-                    wd[f * xb + i] = decode(half, j % per_half, sv[2 * f], sv[2 * f + 1])
+                    wd[f * xb + i] = decode(halves[2 * f + j // per_half], j % per_half)
             for r in range(rows_tile):
-                load_x(x_rows[r], word * per_word + h * xb, xv)
+                load_x(x_rows[r], xk + h * xb, xv)
                 for i in range(xb):
                     for f in range(feats):
                         a = r * feats + f
                         acc[a] = cuda.fma(xv[i], wd[f * xb + i], acc[a])
+
+    return word_step
+
+
+def _make_affine_word_step(kind: str, variant: Variant):  # noqa: ANN202
+    # Factorized dequantization: a word's elements share one (scale, bias), so
+    # sum_j (s*q_j + b) * x_j = s * (sum_j q_j * x_j) + b * (sum_j x_j). Per element: one
+    # logic op and one add to get q (exact), one fma; per word and feature two fmas. The sum
+    # of x over a word is shared by every feature.
+    per_word, xb = PER_WORD[kind], X_BATCH[kind]
+    per_half = per_word // 2
+    rows_tile, feats = variant.rows_tile, variant.feats
+    split, decode = _make_decoder(kind)
+    load_x = _make_x_loader(xb, variant.vec_x)
+
+    @cuda.jit(device=True)
+    def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):  # noqa: ANN001, ANN202
+        # A word's elements as above (x at element xk of the row references; scale and bias
+        # at `group`). p[r, f] = fma chain of q_j * x_j over the word's elements j ascending (from 0);
+        # xs[r] = x_0 + x_1 + ... left to right; then acc = fma(s, p, acc), fma(b, xs, acc).
+        halves, qv, sv, xv, p, xs = work
+        for f in range(feats):
+            sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
+            halves[2 * f], halves[2 * f + 1] = split(cw[f])
+        for h in range(per_word // xb):
+            for f in range(feats):
+                for i in range(xb):
+                    j = h * xb + i
+                    qv[f * xb + i] = decode(halves[2 * f + j // per_half], j % per_half)
+            for r in range(rows_tile):
+                load_x(x_rows[r], xk + h * xb, xv)
+                for i in range(xb):
+                    if h == 0 and i == 0:
+                        xs[r] = xv[0]
+                    else:
+                        xs[r] = xs[r] + xv[i]
+                    for f in range(feats):
+                        a = r * feats + f
+                        p[a] = cuda.fma(qv[f * xb + i], xv[i], np.float32(0.0) if h == 0 and i == 0 else p[a])
+        for r in range(rows_tile):
+            for f in range(feats):
+                a = r * feats + f
+                acc[a] = cuda.fma(sv[2 * f + 1], xs[r], cuda.fma(sv[2 * f], p[a], acc[a]))
 
     return word_step
 
@@ -437,24 +500,30 @@ def _make_store_simulated(variant: Variant, epilogue: str):  # noqa: ANN202
 
 def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
     """(full_step, last_step) over words base + 32u (u < unroll) of the warp's features,
-    cw: their bits; work: (halves, wd, sv, xv) scratch. A full step is straight-line code
-    (one base address per array, constant offsets); only the last, partial step tests each
+    cw: their bits; work: scratch. A full step is straight-line code (one reference per row
+    and feature, loads at constant offsets from it); only the last, partial step tests each
     word."""
-    unroll, feats = variant.unroll, variant.feats
+    unroll, feats, rows_tile, per_word = variant.unroll, variant.feats, variant.rows_tile, PER_WORD[kind]
     word_step = _make_word_step(kind, variant)
     # The groups of words base + 32u are base // group_words + u * (32 // group_words) when
     # a group divides 32 words: scale loads at constant offsets too.
     groups_per_32 = 32 // group_words if group_words and 32 % group_words == 0 else 0
 
     @cuda.jit(device=True)
-    def full_step(x_rows, s_rows, b_rows, base, cw, work, acc):  # noqa: ANN001, ANN202
+    def full_step(x_rows, s_rows, b_rows, base, cw, work, acc, refs):  # noqa: ANN001, ANN202
+        x_at, s_at, b_at = refs
+        for r in range(rows_tile):
+            x_at[r] = _at(x_rows[r], base * per_word)
         group0 = base // group_words if group_words else 0
+        if groups_per_32:
+            for f in range(feats):
+                s_at[f], b_at[f] = _at(s_rows[f], group0), _at(b_rows[f], group0)
         for u in range(unroll):
-            word = base + 32 * u
-            group = group0 + u * groups_per_32
-            if group_words and not groups_per_32:
-                group = word // group_words
-            word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], work, acc)
+            if groups_per_32:
+                word_step(x_at, s_at, b_at, 32 * u * per_word, u * groups_per_32, cw[u * feats :], work, acc)
+            else:
+                group = (base + 32 * u) // group_words if group_words else 0
+                word_step(x_at, s_rows, b_rows, 32 * u * per_word, group, cw[u * feats :], work, acc)
 
     @cuda.jit(device=True)
     def last_step(x_rows, s_rows, b_rows, base, words, cw, work, acc):  # noqa: ANN001, ANN202
@@ -462,7 +531,7 @@ def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
             word = base + 32 * u
             if word < words:
                 group = word // group_words if group_words else 0
-                word_step(x_rows, s_rows, b_rows, word, group, cw[u * feats :], work, acc)
+                word_step(x_rows, s_rows, b_rows, word * per_word, group, cw[u * feats :], work, acc)
 
     return full_step, last_step
 
@@ -473,7 +542,7 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
     outs = feats // 2 if epilogue == "swiglu" else feats  # output features per warp
     affine = kind in ("q4", "q8")
     slots, num_acc, num_wd, num_sv = unroll * feats, rows_tile * feats, feats * xb, 2 * feats
-    fetch, refs = _make_fetch(variant), _make_refs(variant, affine, epilogue == "swiglu")
+    (fetch, fetch_full), refs = _make_fetch(variant), _make_refs(variant, affine, epilogue == "swiglu")
     full_step, last_step = _make_steps(kind, variant, group_words)
     prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant, epilogue)
 
@@ -498,16 +567,25 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
         wb = cuda.local.array(slots, np.uint32)  # the next step's words, in flight
         cw = cuda.local.array(slots, np.uint32)  # this step's words
         work = (cuda.local.array(num_sv, np.uint32), cuda.local.array(num_wd, np.float32),
-                cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32))
+                cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32),
+                cuda.local.array(num_acc, np.float32), cuda.local.array(rows_tile, np.float32))
+        step_refs = (cuda.local.array(rows_tile, _REF), cuda.local.array(feats, _REF),
+                     cuda.local.array(feats, _REF))
         words, base = w.shape[2], lane
         fetch(w_rows, base, words, wb)
         if affine:
             prefetch_scales(s_rows, b_rows, scales.shape[2], lane)
-        while base + 32 * (unroll - 1) < words:
+        while base + 32 * (2 * unroll - 1) < words:  # this step and the next are whole
+            for s in range(slots):
+                cw[s] = wb[s]
+            fetch_full(w_rows, base + 32 * unroll, wb)
+            full_step(x_rows, s_rows, b_rows, base, cw, work, acc, step_refs)
+            base += 32 * unroll
+        if base + 32 * (unroll - 1) < words:  # a whole step, then maybe a partial one
             for s in range(slots):
                 cw[s] = wb[s]
             fetch(w_rows, base + 32 * unroll, words, wb)
-            full_step(x_rows, s_rows, b_rows, base, cw, work, acc)
+            full_step(x_rows, s_rows, b_rows, base, cw, work, acc, step_refs)
             base += 32 * unroll
         if base < words:
             last_step(x_rows, s_rows, b_rows, base, words, wb, work, acc)

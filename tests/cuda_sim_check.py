@@ -177,10 +177,12 @@ def check_matmul(rng: np.random.Generator) -> None:
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:
-    """Rows long enough for whole steps of every unroll (8 words a lane and feature at one
-    row, 4 at two) before the partial one: each row alone, in pairs and in the many path."""
-    x = rng.standard_normal((3, 2304)).astype(np.float32)  # 288 q4 words
-    parts = affine_weight(rng, 1, 5, 2304, 4, 64)
+    """Rows long enough for the three kinds of step of every unroll (8 words a lane and
+    feature at one row, 4 at two): whole steps whose next step is whole (loaded untested),
+    a whole step whose next is partial, the partial one: each row alone, in pairs and in
+    the many path."""
+    x = rng.standard_normal((3, 4608)).astype(np.float32)  # 576 q4 words
+    parts = affine_weight(rng, 1, 5, 4608, 4, 64)
     many = _sim_matmul("q4", x, parts[:3], 64, path="many")
     assert rel_err(many, x @ parts[3][0].T) < 1e-5
     for start, count in ((0, 1), (2, 1), (1, 2)):
