@@ -8,6 +8,7 @@
 #   ops      benchmarks/bench_decode_ops.py
 #   variants benchmarks/bench_matmul_variants.py --rows 1 --kinds q4
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
+#   q4       benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch (quick)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
 #
@@ -49,6 +50,7 @@ for stage in "$@"; do
     ops) run ops 90 python3 benchmarks/bench_decode_ops.py ;;
     variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
+    q4) run q4 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
