@@ -6,9 +6,10 @@ draft verification rows; causal: row r sees keys 0..row_pos[r]). A row's result 
 on its own query, its own keys and row_pos: never on the other rows, their number, the
 block-table width or the grid, so a verify row is bit-identical to the same row decoded alone.
 
-Chunks sit at fixed absolute positions: chunk c of a row covers keys
-[c * CHUNK_KEYS, (c + 1) * CHUNK_KEYS) cut to [0, row_pos]; a row has row_pos // CHUNK_KEYS + 1
-chunks.
+Chunks sit at fixed absolute positions that depend only on the row's own key count
+n = row_pos + 1: chunk c covers keys [c * C, (c + 1) * C) cut to [0, row_pos], where C is the
+smallest KEY_TILE * 2**k with at most MAX_CHUNKS chunks (chunk_keys(n)). Short rows get small
+chunks (many blocks even for one decode row), long rows at most MAX_CHUNKS partials.
 
 Partial kernel, per (row, head, chunk), fixed order: keys of the chunk in tiles of KEY_TILE
 positions starting at the chunk start; in a tile one warp scores a key for every head of the
@@ -21,7 +22,7 @@ l = l * exp(m - m') + butterfly sum of p (lane j holds p_j; lanes past the chunk
 hold 0); acc_d = acc_d * exp(m - m') then fma(p_j, v_jd, acc_d) for j ascending over the whole
 tile (keys past the chunk's end have p_j = 0, v_jd = 0). It stores (acc_d, m, l) of the chunk.
 
-Combine kernel, per (row, head), chunks c = 0 .. n-1 ascending: M = max m_c;
+Combine kernel, per (row, head), chunks c = 0 .. chunks-1 ascending: M = max m_c;
 w_c = exp(m_c - M) (0 where m_c = -inf); L = fma(l_c, w_c, L) from L = 0;
 num_d = fma(acc_cd, w_c, num_d) from 0; out_d = num_d / L. A row with one chunk takes the
 same formula.
@@ -31,8 +32,8 @@ ATTN_THREADS threads, where block z walks chunks z, z + gridDim.z, ... of its ro
 with nothing to do exit at once; z depends only on host-known shapes, so the launch can be
 captured in a CUDA graph); combine grid (rows, num_heads) with COMBINE_THREADS threads.
 Scratch [rows, num_heads, max_chunks, head_dim + 2] float32 holds the partials (acc_d, then
-m, l), max_chunks from the block-table width: a launch reads only the chunks it wrote
-(chunk c < row_pos // CHUNK_KEYS + 1 of its rows). Launches needing more than
+m, l), max_chunks from the block-table width (at most MAX_CHUNKS): a launch reads only the
+chunks it wrote. Launches needing more than
 SCRATCH_BUDGET_BYTES run in slices of rows over one scratch (same bits: rows are independent).
 """
 
@@ -48,14 +49,27 @@ from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda
 ATTN_THREADS = 64 if SIMULATOR else 256  # the block shape never changes a row
 ATTN_WARPS = ATTN_THREADS // 32
 MAX_HEADS_PER_BLOCK = ATTN_WARPS  # softmax: warp h owns head h
-CHUNK_KEYS = 16 if SIMULATOR else 256  # the split over keys; fixed absolute positions
 KEY_TILE = 8 if SIMULATOR else 32  # keys per tile in a chunk; a multiple of ATTN_WARPS
+MAX_CHUNKS = 4 if SIMULATOR else 32  # chunks of one row, at most (the partials it keeps)
+SLOT_SPAN = 16 if SIMULATOR else 256  # page-table lookups staged in shared memory at once
 COMBINE_THREADS = 32 if SIMULATOR else 128
 TARGET_BLOCKS = 2048  # partial blocks per launch worth filling the GPU (grid only, never bits)
 SCRATCH_BUDGET_BYTES = 64 << 20  # larger launches run in slices of rows (same bits)
 NEG_INF = np.float32(-np.inf)
 
-assert CHUNK_KEYS % KEY_TILE == 0 and KEY_TILE % ATTN_WARPS == 0 and KEY_TILE <= 32
+assert SLOT_SPAN % KEY_TILE == 0 and KEY_TILE % ATTN_WARPS == 0 and KEY_TILE <= 32
+
+
+def chunk_keys(num_keys: int) -> int:
+    """Keys per chunk of a row with `num_keys` keys: the smallest KEY_TILE * 2**k that cuts
+    the row into at most MAX_CHUNKS chunks (a function of the row alone)."""
+    keys = KEY_TILE
+    while keys * MAX_CHUNKS < num_keys:
+        keys *= 2
+    return keys
+
+
+_chunk_keys = cuda.jit(device=True)(chunk_keys)
 
 
 @cuda.jit(device=True)
@@ -170,8 +184,10 @@ def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
 
 
 def max_chunks(table_width: int, page_size: int) -> int:
-    """Chunks of a row whose block table has `table_width` pages (its last position's chunk + 1)."""
-    return (table_width * page_size + CHUNK_KEYS - 1) // CHUNK_KEYS
+    """Chunks of a row whose block table has `table_width` pages, at most (a row of n <= that
+    many keys has ceil(n / chunk_keys(n)) chunks: up to MAX_CHUNKS once n > KEY_TILE * MAX_CHUNKS
+    / 2, not only at the table's full length)."""
+    return min(MAX_CHUNKS, -(-table_width * page_size // KEY_TILE))
 
 
 def scratch_shape(rows: int, num_heads: int, head_dim: int, table_width: int, page_size: int) -> tuple[int, ...]:
@@ -233,7 +249,7 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
         qs = cuda.shared.array((MAX_HEADS_PER_BLOCK, max_hd), np.float32)
         ps = cuda.shared.array((MAX_HEADS_PER_BLOCK, key_tile), np.float32)
         corr_s = cuda.shared.array(MAX_HEADS_PER_BLOCK, np.float32)
-        slot_s = cuda.shared.array(CHUNK_KEYS, np.int64)
+        slot_s = cuda.shared.array(SLOT_SPAN, np.int64)
         acc = cuda.local.array(max_pairs, np.float32)
         kr = cuda.local.array(n_k, np.float32)
         sc = cuda.local.array(n_s, np.float32)
@@ -246,7 +262,8 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
         hd = q.shape[2]
         kv_head = head0 // (q.shape[1] // kv_layer.shape[2])
         num_keys = row_pos[row] + 1
-        n_chunks = (num_keys + CHUNK_KEYS - 1) // CHUNK_KEYS
+        chunk_len = _chunk_keys(num_keys)
+        n_chunks = (num_keys + chunk_len - 1) // chunk_len
         if cuda.blockIdx.z >= n_chunks:
             return  # the whole block: no chunk of this row for it
         bt_row = block_table[row_seq[row]]
@@ -258,22 +275,23 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
                 qv = q[row, head0 + h, d]
             qs[h, d] = qv
         for chunk in range(cuda.blockIdx.z, n_chunks, cuda.gridDim.z):
-            key_begin = chunk * CHUNK_KEYS
-            key_end = min(num_keys, key_begin + CHUNK_KEYS)
-            cuda.syncthreads()  # qs written; the previous chunk is done with slot_s
-            for j in range(tid, CHUNK_KEYS, ATTN_THREADS):  # one page-table lookup per key
-                pos = key_begin + j
-                slot = np.int64(-1)
-                if pos < key_end:
-                    slot = np.int64(bt_row[pos // page_size]) * page_size + pos % page_size
-                slot_s[j] = slot
+            key_begin = chunk * chunk_len
+            key_end = min(num_keys, key_begin + chunk_len)
             for a in range(max_pairs):
                 acc[a] = np.float32(0.0)
             m_run = NEG_INF
             l_run = np.float32(0.0)
-            cuda.syncthreads()
             for key0 in range(key_begin, key_end, key_tile):
-                t0 = key0 - key_begin
+                t0 = (key0 - key_begin) % SLOT_SPAN
+                if t0 == 0:  # the next SLOT_SPAN keys' slots: one page-table lookup per key
+                    cuda.syncthreads()  # qs written; the previous keys are done with slot_s
+                    for j in range(tid, SLOT_SPAN, ATTN_THREADS):
+                        pos = key0 + j
+                        slot = np.int64(-1)
+                        if pos < key_end:
+                            slot = np.int64(bt_row[pos // page_size]) * page_size + pos % page_size
+                        slot_s[j] = slot
+                    cuda.syncthreads()
                 # K of this warp's keys into registers, V of the tile into shared memory;
                 # consecutive lanes read consecutive d.
                 for t in range(keys_per_warp):
@@ -338,7 +356,8 @@ def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
     hd = out.shape[2]
-    n_chunks = row_pos[row] // CHUNK_KEYS + 1
+    chunk_len = _chunk_keys(row_pos[row] + 1)
+    n_chunks = (row_pos[row] + chunk_len) // chunk_len
     m_max = NEG_INF
     for c in range(n_chunks):
         m_max = max(m_max, scratch[row, head, c, hd])

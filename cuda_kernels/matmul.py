@@ -9,12 +9,11 @@ each row from `expert_ids` (MoE dispatch without a host round trip).
 Reduction order of out[r, o] (the same in every variant below, so a row's bits do not depend
 on the rows sharing the launch, the rows per block, the features per warp or the path):
   lane l of one warp takes words l, l+32, l+64, ... of row o in ascending order and, inside
-  a word, elements j = 0..per_word-1, k = word*per_word + j;
-  - dense kinds: acc = fma(x[r, k], w(o, k), acc);
-  - affine kinds (factorized: the word's elements share one scale s and bias b):
-    p = fma chain of q(o, k) * x[r, k] over j from 0, xs = x[r, k0] + x[r, k0+1] + ... left
-    to right, then acc = fma(b, xs, fma(s, p, acc));
+  a word, elements j = 0..per_word-1: acc = fma(x[r, k], w(o, k), acc), k = word*per_word + j;
   then a butterfly sum over the 32 lanes (offsets 16, 8, 4, 2, 1).
+  Affine dequantization: w(o, k) = fma(float(q), scale, bias), exactly (see
+  _make_code_decoder). (Factorizing it, s * sum(q x) + b * sum(x) per word, saves 6% of a
+  one-row launch's instructions but costs 15% at 8 rows: measured, not kept.)
 
 Work split (a `Variant`; see plan()): a block of WARPS_PER_BLOCK warps; each warp owns
 `feats` output features and the block's `rows_tile` rows, so every weight word is loaded
@@ -212,9 +211,8 @@ def _split_bf16(word):  # noqa: ANN001, ANN202
 def _make_decoder(kind: str):  # noqa: ANN202
     """(split, decode): split(word) -> (lo, hi), the word's two 16-bit halves prepared once;
     decode(half, m) -> float32 value of element m of that half: the value itself (dense
-    kinds) or its code q (affine kinds; the scale and bias are applied per word, see
-    _make_affine_word_step). m is a compile-time constant once the caller's loops are
-    unrolled."""
+    kinds) or its code q (affine kinds: the word step applies scale and bias). m is a
+    compile-time constant once the caller's loops are unrolled."""
     if kind == "f32":
         return _split_f32, _decode_bits
     if kind == "bf16":
@@ -336,8 +334,7 @@ def _make_prefetch_scales(feats: int):  # noqa: ANN202
 
 
 def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
-    if kind in ("q4", "q8"):
-        return _make_affine_word_step(kind, variant)
+    affine = kind in ("q4", "q8")
     per_word, xb = PER_WORD[kind], X_BATCH[kind]
     per_half = max(1, per_word // 2)
     rows_tile, feats = variant.rows_tile, variant.feats
@@ -347,65 +344,27 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
     @cuda.jit(device=True)
     def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):  # noqa: ANN001, ANN202
         # The elements of a word (cw[f]: its bits for feature f; its x at element xk of the
-        # row references, its scale and bias at `group`): decode xb elements of
-        # every feature once, then one fma per row and feature, elements ascending.
-        halves, wd, _, xv, _, _ = work
+        # row references, its scale and bias at `group`): decode xb elements of every
+        # feature once (affine: fma(q, scale, bias)), then one fma per row and feature,
+        # elements ascending.
+        halves, wd, sv, xv = work
         for f in range(feats):
+            if affine:
+                sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
             halves[2 * f], halves[2 * f + 1] = split(cw[f])
         for h in range(per_word // xb):
             for f in range(feats):
                 for i in range(xb):
                     j = h * xb + i
                     wd[f * xb + i] = decode(halves[2 * f + j // per_half], j % per_half)
+                    if affine:
+                        wd[f * xb + i] = cuda.fma(wd[f * xb + i], sv[2 * f], sv[2 * f + 1])
             for r in range(rows_tile):
                 load_x(x_rows[r], xk + h * xb, xv)
                 for i in range(xb):
                     for f in range(feats):
                         a = r * feats + f
                         acc[a] = cuda.fma(xv[i], wd[f * xb + i], acc[a])
-
-    return word_step
-
-
-def _make_affine_word_step(kind: str, variant: Variant):  # noqa: ANN202
-    # Factorized dequantization: a word's elements share one (scale, bias), so
-    # sum_j (s*q_j + b) * x_j = s * (sum_j q_j * x_j) + b * (sum_j x_j). Per element: one
-    # logic op and one add to get q (exact), one fma; per word and feature two fmas. The sum
-    # of x over a word is shared by every feature.
-    per_word, xb = PER_WORD[kind], X_BATCH[kind]
-    per_half = per_word // 2
-    rows_tile, feats = variant.rows_tile, variant.feats
-    split, decode = _make_decoder(kind)
-    load_x = _make_x_loader(xb, variant.vec_x)
-
-    @cuda.jit(device=True)
-    def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):  # noqa: ANN001, ANN202
-        # A word's elements as above (x at element xk of the row references; scale and bias
-        # at `group`). p[r, f] = fma chain of q_j * x_j over the word's elements j ascending (from 0);
-        # xs[r] = x_0 + x_1 + ... left to right; then acc = fma(s, p, acc), fma(b, xs, acc).
-        halves, qv, sv, xv, p, xs = work
-        for f in range(feats):
-            sv[2 * f], sv[2 * f + 1] = _ld_f32(s_rows[f], group), _ld_f32(b_rows[f], group)
-            halves[2 * f], halves[2 * f + 1] = split(cw[f])
-        for h in range(per_word // xb):
-            for f in range(feats):
-                for i in range(xb):
-                    j = h * xb + i
-                    qv[f * xb + i] = decode(halves[2 * f + j // per_half], j % per_half)
-            for r in range(rows_tile):
-                load_x(x_rows[r], xk + h * xb, xv)
-                for i in range(xb):
-                    if h == 0 and i == 0:
-                        xs[r] = xv[0]
-                    else:
-                        xs[r] = xs[r] + xv[i]
-                    for f in range(feats):
-                        a = r * feats + f
-                        p[a] = cuda.fma(qv[f * xb + i], xv[i], np.float32(0.0) if h == 0 and i == 0 else p[a])
-        for r in range(rows_tile):
-            for f in range(feats):
-                a = r * feats + f
-                acc[a] = cuda.fma(sv[2 * f + 1], xs[r], cuda.fma(sv[2 * f], p[a], acc[a]))
 
     return word_step
 
@@ -567,8 +526,7 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
         wb = cuda.local.array(slots, np.uint32)  # the next step's words, in flight
         cw = cuda.local.array(slots, np.uint32)  # this step's words
         work = (cuda.local.array(num_sv, np.uint32), cuda.local.array(num_wd, np.float32),
-                cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32),
-                cuda.local.array(num_acc, np.float32), cuda.local.array(rows_tile, np.float32))
+                cuda.local.array(num_sv, np.float32), cuda.local.array(xb, np.float32))
         step_refs = (cuda.local.array(rows_tile, _REF), cuda.local.array(feats, _REF),
                      cuda.local.array(feats, _REF))
         words, base = w.shape[2], lane

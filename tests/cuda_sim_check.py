@@ -297,17 +297,19 @@ def _attend(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_sc
 
 
 def check_attention(rng: np.random.Generator) -> None:
-    """Several key chunks (cuda_kernels/attention.py CHUNK_KEYS is 16 under the simulator):
-    row_pos 0, at the last key of a chunk, at the first key of the next, across chunks; every
+    """Several key chunks (cuda_kernels/attention.py under the simulator: chunks of 8 keys up to
+    32 keys, of 16 up to 64): row_pos 0, at the last key of a chunk, at the first key of the
+    next, past the switch to longer chunks; every
     KV dtype against float64; a row alone == the same row in a batch == the same row in a batch
     with a wider block table, a one-block-per-row grid and row slices, bit for bit."""
     from cuda_kernels import attention as attn
 
-    chunk = attn.CHUNK_KEYS
+    chunk = attn.KEY_TILE
+    assert attn.chunk_keys(chunk) == chunk and attn.chunk_keys(33) == 2 * chunk
     page_size, nkv, hd, nh = 4, 2, 16, 4
     block_table, kv_f32 = paged_setup(rng, seqs=2, max_pages=10, page_size=page_size, nkv=nkv, hd=hd)
     row_seq = np.array([0, 1, 1, 0, 1], np.int32)
-    row_pos = np.array([0, chunk - 1, chunk, 34, 39], np.int64)
+    row_pos = np.array([0, chunk - 1, chunk, 32, 39], np.int64)
     q = rng.standard_normal((5, nh, hd)).astype(np.float32)
     wide = np.concatenate([block_table, rng.permutation(block_table.size)[:2 * 7].reshape(2, 7).astype(np.int32)
                            % block_table.max()], axis=1)
@@ -355,7 +357,7 @@ def _check_attention_cpu_twin(q, kv_layer, block_table, row_seq, row_pos, page_s
 def _check_attention_prompt(rng: np.random.Generator) -> None:
     """A prompt-style launch: consecutive causal rows of one stream crossing chunk boundaries,
     against float64, and one row of it alone, bit for bit."""
-    chunk = 16  # CHUNK_KEYS under the simulator
+    chunk = 16  # keys per chunk under the simulator for rows of 33..64 keys
     page_size, nkv, hd, nh = 4, 1, 32, 2
     block_table, kv_f32 = paged_setup(rng, seqs=1, max_pages=9, page_size=page_size, nkv=nkv, hd=hd)
     row_pos = np.arange(chunk - 3, 2 * chunk + 2, dtype=np.int64)

@@ -209,16 +209,18 @@ def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN00
 @pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (8, 2, 256)])
 def test_paged_attention_long_context(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN001
-    """2048 keys (8 chunks of cuda_kernels.attention.CHUNK_KEYS), rows at chunk boundaries and
-    a causal prompt run; a row alone == in the batch == in a batch with a block table twice as
-    wide == through CudaOps.attention (its own scratch), bit for bit."""
-    from cuda_kernels.attention import CHUNK_KEYS
+    """2048 keys (32 chunks of 64), rows at chunk boundaries (chunks of 32 keys up to 1024
+    keys, of 64 past) and a causal prompt run; a row alone == in the batch == in a batch with a
+    block table twice as wide == through CudaOps.attention (its own scratch), bit for bit."""
+    from cuda_kernels.attention import KEY_TILE, chunk_keys
+
+    assert chunk_keys(1024) == KEY_TILE and chunk_keys(1025) == 2 * KEY_TILE
 
     page_size, scales = 16, (0.05, 0.04)
     bt, kv = ref.paged_setup(rng, seqs=2, max_pages=130, page_size=page_size, nkv=nkv, hd=hd)
     kv_layer = ref.to_kv_dtype(kv * 3, kv_kind, scales)
     prompt = np.arange(1000, 1040, dtype=np.int64)
-    row_pos = np.concatenate([[2047, 0, CHUNK_KEYS - 1, CHUNK_KEYS, 3 * CHUNK_KEYS + 5, 2079], prompt])
+    row_pos = np.concatenate([[2047, 0, KEY_TILE - 1, KEY_TILE, 1024, 2079], prompt])
     row_seq = np.concatenate([[0, 1, 1, 0, 1, 0], np.ones(prompt.shape[0])]).astype(np.int32)
     q = rng.standard_normal((row_pos.shape[0], nh, hd)).astype(np.float32)
     out = _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
