@@ -10,6 +10,7 @@
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
 #   q4       benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch (quick)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
+#   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
 #
 # The machine's Python lacks msgspec and pytest-asyncio and has NumPy 2.5 (numba-cuda cannot
@@ -52,6 +53,11 @@ for stage in "$@"; do
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
     q4) run q4 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
+    profile)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+      run profile 240 "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis python3 benchmarks/profile_kernels.py ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -232,23 +232,25 @@ def _make_softmax_step(key_tile: int):  # noqa: ANN202
     return softmax_step
 
 
-def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
+def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_blk: int):  # noqa: ANN202
+    # hd (head_dim) and heads_blk (query heads a block) are compile-time constants: no
+    # tests on them in the loops.
     load = _LOADERS[kind]
     softmax_step = _make_softmax_step(key_tile)
-    max_pairs = (MAX_HEADS_PER_BLOCK * max_hd + ATTN_THREADS - 1) // ATTN_THREADS
+    max_pairs = (heads_blk * hd + ATTN_THREADS - 1) // ATTN_THREADS
     per_lane = max_hd // 32  # d = lane + 32 * i
     keys_per_warp = key_tile // ATTN_WARPS  # warp w scores keys w, w + WARPS, ... of a tile
     n_k = keys_per_warp * per_lane
-    n_s = keys_per_warp * MAX_HEADS_PER_BLOCK
-    bfly_sums = _make_bfly_sums(n_s, MAX_HEADS_PER_BLOCK)
+    n_s = keys_per_warp * heads_blk
+    bfly_sums = _make_bfly_sums(n_s, heads_blk)
     buf_shape = (n_s, ATTN_THREADS) if SIMULATOR else (1, 1)  # exchange buffer, simulator only
 
     @cuda.jit
-    def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, heads_blk, scratch):  # noqa: ANN001, ANN202, E501
+    def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
-        qs = cuda.shared.array((MAX_HEADS_PER_BLOCK, max_hd), np.float32)
-        ps = cuda.shared.array((MAX_HEADS_PER_BLOCK, key_tile), np.float32)
-        corr_s = cuda.shared.array(MAX_HEADS_PER_BLOCK, np.float32)
+        qs = cuda.shared.array((heads_blk, max_hd), np.float32)
+        ps = cuda.shared.array((heads_blk, key_tile), np.float32)
+        corr_s = cuda.shared.array(heads_blk, np.float32)
         slot_s = cuda.shared.array(SLOT_SPAN, np.int64)
         acc = cuda.local.array(max_pairs, np.float32)
         kr = cuda.local.array(n_k, np.float32)
@@ -259,7 +261,6 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
         lane = tid % 32
         row = cuda.blockIdx.x
         head0 = cuda.blockIdx.y * heads_blk
-        hd = q.shape[2]
         kv_head = head0 // (q.shape[1] // kv_layer.shape[2])
         num_keys = row_pos[row] + 1
         chunk_len = _chunk_keys(num_keys)
@@ -307,18 +308,16 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int):  # noqa: ANN202
                         kr[t * per_lane + i] = k_val
                         vs[j, d] = v_val
                 for t in range(keys_per_warp):
-                    for h in range(MAX_HEADS_PER_BLOCK):
+                    for h in range(heads_blk):
                         s = np.float32(0.0)
-                        if h < heads_blk:
-                            for i in range(per_lane):
-                                s = cuda.fma(qs[h, lane + 32 * i], kr[t * per_lane + i], s)
-                        sc[t * MAX_HEADS_PER_BLOCK + h] = s
+                        for i in range(per_lane):
+                            s = cuda.fma(qs[h, lane + 32 * i], kr[t * per_lane + i], s)
+                        sc[t * heads_blk + h] = s
                 bfly_sums(sc, heads_blk, buf)
                 if lane == 0:
                     for t in range(keys_per_warp):
-                        for h in range(MAX_HEADS_PER_BLOCK):
-                            if h < heads_blk:
-                                ps[h, warp + t * ATTN_WARPS] = sc[t * MAX_HEADS_PER_BLOCK + h] * sm_scale
+                        for h in range(heads_blk):
+                            ps[h, warp + t * ATTN_WARPS] = sc[t * heads_blk + h] * sm_scale
                 cuda.syncthreads()
                 m_run, l_run = softmax_step(ps, corr_s, heads_blk, key0, key_end, m_run, l_run, buf)
                 cuda.syncthreads()
@@ -371,13 +370,14 @@ def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
         out[row, head, d] = num / total
 
 
-_KERNELS: dict[tuple[str, int, int], object] = {}
+_KERNELS: dict[tuple[str, int, int], object] = {}  # (kv kind, head_dim, heads a block)
 
 
-def attention_kernel(kv_kind: str, head_dim: int):  # noqa: ANN201
-    """The partial kernel for KV dtype `kv_kind` ('f32', 'bf16', 'fp8') and `head_dim`."""
+def attention_kernel(kv_kind: str, head_dim: int, heads_blk: int):  # noqa: ANN201
+    """The partial kernel for KV dtype `kv_kind` ('f32', 'bf16', 'fp8'), `head_dim` and
+    `heads_blk` query heads a block (heads_per_block)."""
     key_tile, max_hd = tile_for_head_dim(head_dim)
-    key = (kv_kind, key_tile, max_hd)
+    key = (kv_kind, head_dim, heads_blk)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_partial_kernel(kv_kind, key_tile, max_hd)
+        _KERNELS[key] = _make_partial_kernel(kv_kind, key_tile, max_hd, head_dim, heads_blk)
     return _KERNELS[key]

@@ -75,8 +75,8 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here). Rows
     run in slices of scratch.shape[0]; the grid depends only on shapes, never on row_pos."""
     rows, num_heads, head_dim = q.shape
-    kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim)
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
+    kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
     head_blocks = num_heads // heads_blk
     shape = _attn.scratch_shape(rows, num_heads, head_dim, block_table.shape[1], page_size)
     if scratch is None:  # NumPy under the simulator, else a Numba device array
@@ -91,7 +91,7 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
         pos = row_pos[r0 : r0 + n]
         grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
         args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
-        _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, heads_blk, scratch)
+        _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, scratch)
         _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, pos, scratch, out[r0 : r0 + n])
 
 
