@@ -57,6 +57,8 @@ class Variant:
     unroll: int  # words per lane and feature loaded ahead (per step)
     vec_x: bool  # x rows 16-byte aligned: vector loads of x
     warps: int = WARPS_PER_BLOCK  # warps per block
+    ahead: int = 0  # L2 prefetch of the weights this many steps ahead (0: none)
+    regs: int = 0  # register cap per thread (0: the compiler's choice)
 
 
 # Memory access through "row references": the address of a row's first element on the GPU
@@ -95,6 +97,10 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def _prefetch_l1(row, i):  # noqa: ANN001, ANN202
+        pass
+
+    @cuda.jit(device=True)
+    def _prefetch_l2(row, i):  # noqa: ANN001, ANN202
         pass
 
     @cuda.jit(device=True)
@@ -163,18 +169,24 @@ else:
     _ld_f32x4 = _asm_load("ld.global.nc.v4.f32", 4, "f", types.UniTuple(types.float32, 4))
     _ld_f32x2 = _asm_load("ld.global.nc.v2.f32", 2, "f", types.UniTuple(types.float32, 2))
 
-    @intrinsic
-    def _prefetch_l1(typingctx, row, i):  # noqa: ANN001, ANN202
-        """Bring the line of element i of the row into L1 (no register, no wait)."""
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-            i64 = context.cast(builder, args[1], sig.args[1], types.int64)
-            addr = _address(builder, args[0], i64)
-            fnty = ir.FunctionType(ir.VoidType(), [addr.type])
-            asm = ir.InlineAsm(fnty, "prefetch.global.L1 [$0];", "l", side_effect=True)
-            builder.call(asm, [addr])
-            return context.get_dummy_value()
+    def _asm_prefetch(level: str):  # noqa: ANN202
+        @intrinsic
+        def prefetch(typingctx, row, i):  # noqa: ANN001, ANN202
+            """Bring the line of element i of the row into `level` (no register, no wait)."""
+            def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+                i64 = context.cast(builder, args[1], sig.args[1], types.int64)
+                addr = _address(builder, args[0], i64)
+                fnty = ir.FunctionType(ir.VoidType(), [addr.type])
+                asm = ir.InlineAsm(fnty, f"prefetch.global.{level} [$0];", "l", side_effect=True)
+                builder.call(asm, [addr])
+                return context.get_dummy_value()
 
-        return types.void(row, i), codegen
+            return types.void(row, i), codegen
+
+        return prefetch
+
+    _prefetch_l1 = _asm_prefetch("L1")
+    _prefetch_l2 = _asm_prefetch("L2")
 
     @intrinsic
     def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202
@@ -293,6 +305,23 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
                 wb[u * feats + f] = _ld_u32(at, 32 * u)
 
     return fetch, fetch_full
+
+
+def _make_prefetch_ahead(variant: Variant):  # noqa: ANN202
+    unroll, feats = variant.unroll, variant.feats
+    lines = unroll * feats  # the warp's 128-byte weight lines of one step
+
+    @cuda.jit(device=True)
+    def prefetch_ahead(w_rows, first_word, words, lane):  # noqa: ANN001, ANN202
+        # Lane l < lines asks L2 for line l of the step whose lane-0 word is first_word: word
+        # first_word + 32u of feature f (l = u * feats + f), so that step's loads hit L2.
+        word = first_word + 32 * (lane // feats)
+        if lane < lines and word < words:
+            for f in range(feats):  # constant indices: the references stay in registers
+                if lane % feats == f:
+                    _prefetch_l2(w_rows[f], word)
+
+    return prefetch_ahead
 
 
 def _make_refs(variant: Variant, affine: bool, swiglu: bool):  # noqa: ANN202
@@ -505,7 +534,10 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
     full_step, last_step = _make_steps(kind, variant, group_words)
     prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant, epilogue)
 
-    @cuda.jit
+    prefetch_ahead, ahead = _make_prefetch_ahead(variant), variant.ahead
+    jit = cuda.jit(max_registers=variant.regs) if variant.regs and not SIMULATOR else cuda.jit
+
+    @jit
     def kernel(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
         # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
@@ -536,6 +568,8 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
         while base + 32 * (2 * unroll - 1) < words:  # this step and the next are whole
             for s in range(slots):
                 cw[s] = wb[s]
+            if ahead:
+                prefetch_ahead(w_rows, base - lane + 32 * unroll * (ahead + 1), words, lane)
             fetch_full(w_rows, base + 32 * unroll, wb)
             full_step(x_rows, s_rows, b_rows, base, cw, work, acc, step_refs)
             base += 32 * unroll
