@@ -611,8 +611,8 @@ def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bo
 
 def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = False) -> Variant:
     """The variant of a launch (none changes a row's bits). 'few' (decode, memory bound):
-    1 row a block with 2 features a warp and 8 words per feature and lane in flight, or 2
-    rows with 4 words. 'many':
+    1 row a block with 2 features a warp and 8 words per feature and lane in flight (and an
+    L2 prefetch one step further), or 2 rows with 4 words. 'many':
     4 rows a block and 8 features a warp, or MANY_ROWS_TILE rows and 4 features past 4
     rows; one step of words in flight, each decoded element feeds every row. Narrow
     outputs get half the features per warp so that the grid still covers the 132 SMs."""
@@ -621,8 +621,9 @@ def plan(rows: int, out_features: int, path: str, vec_x: bool, grouped: bool = F
         if rows <= 4:
             return Variant(4, 8 // narrow, 1, vec_x)
         return Variant(MANY_ROWS_TILE, 4 // narrow, 1, vec_x)
-    if rows <= 1 or grouped:  # 2 features, 8 words each in flight: the fastest on an H200
-        return Variant(1, 2, 8, vec_x)  # (benchmarks/bench_matmul_variants.py, every shape)
+    if rows <= 1 or grouped:  # 2 features, 8 words each in flight, the step after next
+        return Variant(1, 2, 8, vec_x, ahead=1)  # asked of L2: the fastest on an H200 at
+        # every Qwen3-8B shape but k and down, within 3% there (bench_matmul_variants.py)
     return Variant(2, 4 // narrow, 4, vec_x)
 
 
