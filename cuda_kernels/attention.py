@@ -33,8 +33,8 @@ with nothing to do exit at once; z depends only on host-known shapes, so the lau
 captured in a CUDA graph); combine grid (rows, num_heads) with COMBINE_THREADS threads.
 Scratch [rows, num_heads, max_chunks, head_dim + 2] float32 holds the partials (acc_d, then
 m, l), max_chunks from the block-table width (at most MAX_CHUNKS): a launch reads only the
-chunks it wrote. Launches needing more than
-SCRATCH_BUDGET_BYTES run in slices of rows over one scratch (same bits: rows are independent).
+chunks it wrote. Launches needing more than SCRATCH_BUDGET_BYTES run in slices of rows over
+one scratch (same bits: rows are independent).
 """
 
 from __future__ import annotations
