@@ -10,6 +10,7 @@
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
 #   q4       benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch (quick)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
+#   launch   benchmarks/bench_launch.py (host cost of one eager op, in parts)
 #   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
 #
@@ -53,6 +54,7 @@ for stage in "$@"; do
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
     q4) run q4 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
+    launch) run launch 90 python3 benchmarks/bench_launch.py ;;
     profile)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
       run profile 240 "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
