@@ -6,8 +6,10 @@ ids to the host each round). Weights: affine 4-bit (group 64) codes/scales drawn
 and the same weights dequantized to bf16 (DenseWeight of uint16 bits); transformers runs the
 bf16 copy (PyTorch, static cache) for batch-1 decode. Prints a table; records nothing.
 
-Per decode round it reports: eager round time (one Python launch per kernel, as the engine
-runs today), graph round time (GraphDecoder: inputs copied into a captured CUDA graph, one
+Every forward runs as the engine's runner runs it: indices checked once on the host, no
+per-op device checks (before session 3's change of this script, each op also synced). Per
+decode round it reports: eager round time (one Python launch per kernel, as the engine runs
+without --cuda-graphs), graph round time (GraphDecoder: inputs copied into a captured CUDA graph, one
 replay), the graph's GPU time alone (replays timed with events), and the roofline: the
 bytes the round must read (every weight once + each stream's KV) over the device-to-device
 copy bandwidth measured here (bytes read + written per second).
@@ -163,9 +165,21 @@ def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):  # noqa: AN
                       logit_rows=logit_rows, page_size=PAGE_SIZE)
 
 
+def forward(decoder, arena, ops, batch):  # noqa: ANN001, ANN201
+    """decoder.forward as the engine's runner calls it: the round's indices checked once on
+    the packed host copy, the ops without their per-op device checks (each a host sync)."""
+    from tf_async.models.batch_io import check_indices, packed_of
+
+    packed = packed_of(batch)
+    check_indices(packed.layout, packed.host, vocab=decoder.weights.embed.out_features,
+                  num_slots=int(arena.kv.shape[2]), page_size=batch.page_size)
+    with ops.unchecked():
+        return decoder.forward(batch, arena.kv, arena.kv_scales)
+
+
 def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lane: int) -> list[int]:  # noqa: ANN001, E501
     batch = make_batch(ops, [(i, pos, [t]) for i, t in enumerate(tokens)], pages_per_lane, True)
-    logits, _ = decoder.forward(batch, arena.kv, arena.kv_scales)
+    logits, _ = forward(decoder, arena, ops, batch)
     return ops.to_host(ops.argmax(logits)).tolist()
 
 
@@ -179,10 +193,10 @@ def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidt
     rng = np.random.default_rng(parallel)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt).tolist() for _ in range(parallel)]
     batch = make_batch(ops, [(i, 0, p) for i, p in enumerate(prompts)], pages_per_lane, False)
-    decoder.forward(batch, arena.kv, arena.kv_scales)  # warm-up (compiles the many-rows kernels)
+    forward(decoder, arena, ops, batch)  # warm-up (compiles the many-rows kernels)
     ops.synchronize()
     t0 = time.perf_counter()
-    logits, _ = decoder.forward(batch, arena.kv, arena.kv_scales)
+    logits, _ = forward(decoder, arena, ops, batch)
     tokens = ops.to_host(ops.argmax(logits)).tolist()
     prefill_s = time.perf_counter() - t0
     pos = args.prompt
