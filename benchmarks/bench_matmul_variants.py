@@ -86,15 +86,15 @@ def candidates(rows: int) -> list:  # noqa: ANN201
     shapes = ((1, 8), (1, 16), (2, 8), (2, 16), (4, 4), (4, 8), (8, 4))  # no spills (ptxas -v)
     for warps, (feats, unroll) in itertools.product((4, 8), shapes):
         out.append(mm.Variant(rows if rows <= 2 else 4, feats, unroll if rows <= 2 else 1, True, warps))
-    if rows <= 2:  # L2 prefetch steps ahead and register caps of the usual winners
+    if rows <= 2:  # L2 prefetch steps ahead for the usual winners
         for warps, feats, unroll in ((4, 2, 8), (8, 2, 8), (4, 4, 4)):
-            for ahead, regs in ((1, 0), (2, 0), (0, 72), (1, 72), (1, 64)):
-                out.append(mm.Variant(rows, feats, unroll, True, warps, ahead, regs))
+            for ahead in (1, 2):
+                out.append(mm.Variant(rows, feats, unroll, True, warps, ahead))
     return out
 
 
 def label(v) -> str:  # noqa: ANN001
-    return f"({v.warps},{v.feats},{v.unroll:2d},a{v.ahead},r{v.regs or '-'})"
+    return f"({v.warps},{v.feats},{v.unroll:2d},a{v.ahead})"
 
 
 def main() -> None:
@@ -133,7 +133,7 @@ def main() -> None:
                 best.append((kind, name, rows, v, sec, d, nbytes))
             del copies
             cp.get_default_memory_pool().free_all_blocks()
-    print("\nkind shape    rows  best (warps,feats,unroll,ahead,regs)  best us  TB/s  default us  TB/s")
+    print("\nkind shape    rows  best (warps,feats,unroll,ahead)  best us  TB/s  default us  TB/s")
     for kind, name, rows, v, sec, d, nbytes in best:
         print(f"{kind:4} {name:8} {rows:4d}  {label(v):24} {sec * 1e6:14.1f} "
               f"{nbytes / sec / 1e12:5.2f}  {d * 1e6:10.1f} {nbytes / d / 1e12:5.2f}")

@@ -58,7 +58,6 @@ class Variant:
     vec_x: bool  # x rows 16-byte aligned: vector loads of x
     warps: int = WARPS_PER_BLOCK  # warps per block
     ahead: int = 0  # L2 prefetch of the weights this many steps ahead (0: none)
-    regs: int = 0  # register cap per thread (0: the compiler's choice)
 
 
 # Memory access through "row references": the address of a row's first element on the GPU
@@ -535,9 +534,8 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
     prefetch_scales, store = _make_prefetch_scales(feats), _make_store(variant, epilogue)
 
     prefetch_ahead, ahead = _make_prefetch_ahead(variant), variant.ahead
-    jit = cuda.jit(max_registers=variant.regs) if variant.regs and not SIMULATOR else cuda.jit
 
-    @jit
+    @cuda.jit
     def kernel(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
         # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
