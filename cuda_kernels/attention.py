@@ -106,25 +106,22 @@ if SIMULATOR:
             t = op(t, t[_LANES ^ (16 >> k)]).astype(np.float32)
         return t
 
-    @cuda.jit(device=True)
-    def _bfly_max(v, buf):  # noqa: ANN001, ANN201
+    def _bfly(v, buf, op):  # noqa: ANN001, ANN202
         tid = cuda.threadIdx.x
         buf[0, tid] = v
         cuda.syncthreads()
         base = tid - tid % 32
-        v = _warp_tree(buf[0, base : base + 32], np.maximum)[tid % 32]
+        v = _warp_tree(buf[0, base : base + 32], op)[tid % 32]
         cuda.syncthreads()
         return np.float32(v)
 
     @cuda.jit(device=True)
+    def _bfly_max(v, buf):  # noqa: ANN001, ANN201
+        return _bfly(v, buf, np.maximum)
+
+    @cuda.jit(device=True)
     def _bfly_sum(v, buf):  # noqa: ANN001, ANN201
-        tid = cuda.threadIdx.x
-        buf[0, tid] = v
-        cuda.syncthreads()
-        base = tid - tid % 32
-        v = _warp_tree(buf[0, base : base + 32], np.add)[tid % 32]
-        cuda.syncthreads()
-        return np.float32(v)
+        return _bfly(v, buf, np.add)
 
     def _make_bfly_sums(n: int, stride: int):  # noqa: ANN202
         @cuda.jit(device=True)
