@@ -67,6 +67,12 @@ def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None)
     _go(_mm.embed_affine, (out.shape[0],), 128, stream, codes, scales, biases, bits, group_size, ids, out)
 
 
+def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_width: int, page_size: int
+                            ) -> tuple[int, ...]:
+    """The float32 scratch `attention` needs for these shapes (cuda_kernels.attention)."""
+    return _attn.scratch_shape(rows, num_heads, head_dim, table_width, page_size)
+
+
 def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: ANN001, E501
               *, scratch=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial

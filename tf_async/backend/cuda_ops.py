@@ -424,10 +424,9 @@ class CudaOps:
         k_scale, v_scale = self._scales(kv_scales, kv, layer)
         out = self.xp.empty_like(q)
         if q.shape[0]:
-            from cuda_kernels.attention import scratch_shape
-
             # Per-chunk partials of the split over keys; every launch writes what it reads.
-            shape = scratch_shape(q.shape[0], q.shape[1], q.shape[2], block_table.shape[1], int(page_size))
+            shape = self._launch.attention_scratch_shape(q.shape[0], q.shape[1], q.shape[2],
+                                                         block_table.shape[1], int(page_size))
             scratch = self.xp.empty(shape, np.float32)
             parts = [self._dev(a) for a in (q, kv[layer])]
             tables = [self._dev(a) for a in (block_table, row_seq, row_pos)]
