@@ -131,6 +131,24 @@ def _layer_weights(xp, kind: str) -> list[tuple[tuple, int]]:  # noqa: ANN001
     return layer
 
 
+def _replay_seconds(xp, stream, record, replays: int) -> float:  # noqa: ANN001
+    """GPU seconds of one replay of a CUDA graph of record()'s launches on `stream`: record()
+    runs once eagerly (compiles), once under capture (relaxed, as
+    tf_async/models/graph_decoder.py captures); replays timed with events."""
+    with stream:
+        record()
+        stream.begin_capture(mode=getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None))
+        record()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start = stream.record()
+        for _ in range(replays):
+            graph.launch(stream)
+        stop = stream.record()
+        stop.synchronize()
+    return xp.cuda.get_elapsed_time(start, stop) / 1e3 / replays
+
+
 def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: ANN001
     """GPU seconds per layer: every linear of every layer captured in one CUDA graph (as the
     engine's decode rounds are), replays timed with events."""
@@ -145,20 +163,12 @@ def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: A
                     for layer in layers
                     for (n_out, n_in), (parts, _) in zip(QWEN3_8B_LAYER, layer, strict=True)]
         experts = ops._dev(ops._no_experts)
-        for phase in ("compile", "capture"):
-            if phase == "capture":  # relaxed, as tf_async/models/graph_decoder.py captures
-                relaxed = getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
-                stream.begin_capture(mode=relaxed)
-            for x, parts, out in launches:
-                launch.matmul(kind, x, *parts, gs, experts, out, ops._stream())
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start = stream.record()
-        for _ in range(5):
-            graph.launch(stream)
-        stop = stream.record()
-        stop.synchronize()
-    return xp.cuda.get_elapsed_time(start, stop) / 1e3 / (5 * len(layers))
+
+    def record() -> None:
+        for x, parts, out in launches:
+            launch.matmul(kind, x, *parts, gs, experts, out, ops._stream())
+
+    return _replay_seconds(xp, stream, record, 5) / len(layers)
 
 
 @pytest.mark.parametrize("kind", ["q4", "bf16"])
@@ -253,24 +263,16 @@ def test_attention_decode_time_qwen3_8b(ops, rng, keys) -> None:  # noqa: ANN001
     tables = [xp.asarray(a) for a in (bt, np.zeros(1, np.int32), np.array([keys - 1], np.int64))]
     stream = xp.cuda.Stream(non_blocking=False)
     with stream:
-        from cuda_kernels.attention import scratch_shape
-
-        scratch = ops._dev(xp.empty(scratch_shape(1, 32, 128, bt.shape[1], page_size), xp.float32))
+        shape = launch.attention_scratch_shape(1, 32, 128, bt.shape[1], page_size)
+        scratch = ops._dev(xp.empty(shape, xp.float32))
         args = [ops._dev(a) for a in tables]
-        for phase in ("compile", "capture"):
-            if phase == "capture":
-                stream.begin_capture(mode=getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None))
-            for kv_layer in kv_layers:
-                launch.attention(ops._dev(q), ops._dev(kv_layer), np.float32(1), np.float32(1), *args, page_size,
-                                 np.float32(128**-0.5), ops._dev(out), ops._stream(), scratch=scratch)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start = stream.record()
-        for _ in range(10):
-            graph.launch(stream)
-        stop = stream.record()
-        stop.synchronize()
-    us = xp.cuda.get_elapsed_time(start, stop) * 1e3 / (10 * layers)
+
+    def record() -> None:
+        for kv_layer in kv_layers:
+            launch.attention(ops._dev(q), ops._dev(kv_layer), np.float32(1), np.float32(1), *args, page_size,
+                             np.float32(128**-0.5), ops._dev(out), ops._stream(), scratch=scratch)
+
+    us = _replay_seconds(xp, stream, record, 10) * 1e6 / layers
     print(f"attention 1 row, {keys} keys: {us:8.1f} us per layer, {36 * us / 1e3:6.2f} ms per 36 layers")
     assert us > 0
 
