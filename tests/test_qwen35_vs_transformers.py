@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from tests.hf_greedy import hf_greedy
 from tests.tiny_qwen35 import (
     hf_effective_weights,
     random_qwen35_weights,
@@ -36,16 +37,6 @@ def hf_model(cfg: dict, weights: dict[str, np.ndarray], moe: bool):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
     return model
-
-
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], np.ndarray]:
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            logprobs.append(torch.log_softmax(logits, -1).numpy())
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], np.stack(logprobs)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])

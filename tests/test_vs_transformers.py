@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from tests.hf_greedy import hf_greedy
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async import Engine
 
@@ -20,17 +21,10 @@ CASES = [("llama", {}), ("qwen3", {}), ("qwen3_moe", {"norm_topk_prob": True}),
          ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": []})]
 
 
-def hf_greedy(folder, prompt: list[int], num_tokens: int) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy continuation and the log-softmax of each step's logits."""
+def folder_greedy(folder, prompt: list[int], num_tokens: int) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy continuation of the checkpoint in `folder` (tests/hf_greedy.py)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    ids = list(prompt)
-    logprobs = []
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            logprobs.append(torch.log_softmax(logits, -1).numpy())
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], np.stack(logprobs)
+    return hf_greedy(model, prompt, num_tokens)
 
 
 @pytest.mark.parametrize(("arch", "extra"), CASES)
@@ -40,7 +34,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(tmp_path, arch, extra):
     cfg = tiny_config(arch, **extra)
     folder = write_hf(tmp_path, cfg, random_hf_weights(cfg, seed=11))
     prompt = [5, 17, 42, 99, 7, 3, 250, 31]
-    want_ids, want_lp = hf_greedy(folder, prompt, 12)
+    want_ids, want_lp = folder_greedy(folder, prompt, 12)
 
     async def ours():
         async with Engine(str(folder), device="cpu", parallel=1, ctx=128) as eng:
