@@ -136,7 +136,8 @@ def copy_rows(src, src_rows, dst, dst_rows, stream=None) -> None:  # noqa: ANN00
 
 
 def rms_norm(x, w, eps, out, stream=None) -> None:  # noqa: ANN001
-    _go(_norm.rms_norm, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
+    kernel = _norm.rms_norm_kernel(x.shape[1])
+    _go(kernel, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
 
 
 def rope(x, positions, inv_freq, mscale, stream=None) -> None:  # noqa: ANN001

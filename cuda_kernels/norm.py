@@ -76,6 +76,54 @@ def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
         i += NORM_THREADS
 
 
+MAX_HELD = 32  # elements a thread holds in registers: rows up to 4096 wide in one pass
+# (64 needs 255 registers and spills: ptxas -v)
+_HELD_KERNELS: dict[int, object] = {}
+
+
+def rms_norm_kernel(dim: int):  # noqa: ANN201
+    """The rms_norm kernel for rows `dim` wide: rows of up to MAX_HELD * NORM_THREADS held in
+    registers (the same bits as `rms_norm`), wider rows `rms_norm` itself."""
+    held = 1
+    while held * NORM_THREADS < dim:
+        held *= 2
+    if held > MAX_HELD:
+        return rms_norm
+    if held not in _HELD_KERNELS:
+        _HELD_KERNELS[held] = _make_held_rms_norm(held)
+    return _HELD_KERNELS[held]
+
+
+def _make_held_rms_norm(held: int):  # noqa: ANN202
+    @cuda.jit
+    def rms_norm_held(x, w, eps, out):  # noqa: ANN001, ANN202
+        # rms_norm for rows of at most held * NORM_THREADS: every load of the thread (x and w)
+        # is issued up front (indices past the row read its last element; their x counts as
+        # 0), and both stay in registers for the output. The same fmas in the
+        # same order as rms_norm (adding fma(0, 0, acc) = acc changes nothing): the same bits.
+        partial = cuda.shared.array(NORM_THREADS, np.float32)
+        vals = cuda.local.array(held, np.float32)
+        weights = cuda.local.array(held, np.float32)
+        row = cuda.blockIdx.x
+        dim = x.shape[1]
+        tid = cuda.threadIdx.x
+        for k in range(held):  # unrolled: constant indices keep both arrays in registers
+            vals[k] = x[row, min(tid + k * NORM_THREADS, dim - 1)]
+        for k in range(held):  # the weights too, before the block's reduction waits
+            weights[k] = w[min(tid + k * NORM_THREADS, dim - 1)]
+        acc = np.float32(0.0)
+        for k in range(held):
+            v = vals[k] if tid + k * NORM_THREADS < dim else np.float32(0.0)
+            acc = cuda.fma(v, v, acc)
+        inv_rms = inv_rms_of(acc, dim, eps, partial)
+        for k in range(held):
+            i = tid + k * NORM_THREADS
+            if i < dim:
+                out[row, i] = (vals[k] * inv_rms) * weights[k]
+
+    return rms_norm_held
+
+
 @cuda.jit
 def rope(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
     # x: [rows, heads, hd] in place; rotate-half on the first 2*len(inv_freq) dims.

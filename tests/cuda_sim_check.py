@@ -456,6 +456,23 @@ def check_zero_and_rings(rng: np.random.Generator) -> None:
     assert np.array_equal(dst[3], src[2]) and np.array_equal(dst[1], src[0]) and not dst[0].any()
 
 
+def _check_held_rms_norm(rng: np.random.Generator) -> None:
+    """The rms_norm kernels that hold a row in registers give the bits of the general one,
+    at widths that fill their last slot partly and wholly (and past MAX_HELD: the general one)."""
+    from cuda_kernels import norm
+
+    assert norm.rms_norm_kernel(norm.MAX_HELD * norm.NORM_THREADS + 1) is norm.rms_norm
+    for dim in (5, 128, 200, 1000):
+        x = rng.standard_normal((2, dim)).astype(np.float32)
+        w = rng.standard_normal(dim).astype(np.float32)
+        held, general = np.full_like(x, np.nan), np.full_like(x, np.nan)
+        kernel = norm.rms_norm_kernel(dim)
+        assert kernel is not norm.rms_norm
+        kernel[2, norm.NORM_THREADS](x, w, np.float32(1e-6), held)
+        norm.rms_norm[2, norm.NORM_THREADS](x, w, np.float32(1e-6), general)
+        assert np.array_equal(held, general), dim
+
+
 def check_norm_rope_silu(rng: np.random.Generator) -> None:
     from cuda_kernels import launch
 
@@ -464,6 +481,7 @@ def check_norm_rope_silu(rng: np.random.Generator) -> None:
     out = np.full_like(x, np.nan)
     launch.rms_norm(x, w, np.float32(1e-6), out)
     assert rel_err(out, rms_norm_ref(x, w, 1e-6)) < 1e-6
+    _check_held_rms_norm(rng)
     q = rng.standard_normal((3, 2, 12)).astype(np.float32)
     pos = np.array([0, 5, 70000], np.int64)
     inv_freq = (10000.0 ** (-np.arange(0, 8, 2) / 8)).astype(np.float32)
