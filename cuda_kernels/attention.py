@@ -53,6 +53,7 @@ KEY_TILE = 8 if SIMULATOR else 32  # keys per tile in a chunk; a multiple of ATT
 MAX_CHUNKS = 4 if SIMULATOR else 32  # chunks of one row, at most (the partials it keeps)
 SLOT_SPAN = 16 if SIMULATOR else 256  # page-table lookups staged in shared memory at once
 COMBINE_THREADS = 32 if SIMULATOR else 128
+PARTIAL_MAX_REGISTERS = 65536 // (2 * ATTN_THREADS)  # two partial blocks a multiprocessor
 TARGET_BLOCKS = 2048  # partial blocks per launch worth filling the GPU (grid only, never bits)
 SCRATCH_BUDGET_BYTES = 64 << 20  # larger launches run in slices of rows (same bits)
 NEG_INF = np.float32(-np.inf)
@@ -242,7 +243,11 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
     bfly_sums = _make_bfly_sums(n_s, heads_blk)
     buf_shape = (n_s, ATTN_THREADS) if SIMULATOR else (1, 1)  # exchange buffer, simulator only
 
-    @cuda.jit
+    # At most 128 registers: two blocks of ATTN_THREADS a multiprocessor instead of one (143
+    # uncapped; ptxas spills 16 bytes at 128).
+    jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=PARTIAL_MAX_REGISTERS)
+
+    @jit
     def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
         qs = cuda.shared.array((heads_blk, max_hd), np.float32)
