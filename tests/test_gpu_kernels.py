@@ -369,6 +369,22 @@ def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
     assert ref.rel_err(got, ref.rms_norm_ref(x, w, 1e-5)) < ROW_BOUND
 
 
+@pytest.mark.parametrize("dim", [896, 2560, 4000, 4096])
+def test_held_rms_norm_bits(ops, rng, dim) -> None:  # noqa: ANN001
+    """The rms_norm that holds a row in registers gives the general kernel's bits (real widths,
+    a partly filled last slot at 4000), outputs poisoned first."""
+    from cuda_kernels import launch, norm
+
+    kernel = norm.rms_norm_kernel(dim)
+    assert kernel is not norm.rms_norm
+    x = ops.asarray(rng.standard_normal((9, dim)).astype(np.float32))
+    w = ops.asarray(rng.standard_normal(dim).astype(np.float32))
+    held, general = (ops.xp.full((9, dim), np.nan, np.float32) for _ in range(2))
+    launch.rms_norm(x, w, np.float32(1e-6), held)
+    norm.rms_norm[9, norm.NORM_THREADS](x, w, np.float32(1e-6), general)
+    assert np.array_equal(ops.to_host(held), ops.to_host(general))
+
+
 def test_rows_ops(ops, rng) -> None:  # noqa: ANN001
     q = rng.standard_normal((40, 32, 128)).astype(np.float32)
     pos = rng.integers(0, 40000, size=40).astype(np.int64)
