@@ -51,7 +51,7 @@ def repack(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(n // 16, k // GROUP, 128)).astype(np.uint32)
 
 
-def make_kernel(feats: int, unroll: int, warps: int):  # noqa: ANN201, C901
+def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1):  # noqa: ANN201, C901
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -59,6 +59,7 @@ def make_kernel(feats: int, unroll: int, warps: int):  # noqa: ANN201, C901
     from cuda_kernels.matmul import _asm_load, _bits_f32, _ld_f32x2, _row2, _row3
 
     nacc = 4 * feats  # accumulators a lane: 4 per feature tile
+    split_chains = chains == 4  # 4 independent mma chains a group (else one of 12)
     nxv, nwv = 16 * unroll, 4 * unroll * feats
     ld_u32x4 = _asm_load(
         "ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4)
@@ -139,7 +140,10 @@ def make_kernel(feats: int, unroll: int, warps: int):  # noqa: ANN201, C901
         bparts = cuda.local.array(
             24, np.uint32
         )  # k-tile j: [6j .. 6j+5] = hi0 hi1 mid0 mid1 lo0 lo1
-        wv = cuda.local.array(nwv, np.uint32)  # group u, tile f: [4(u F + f) ..]: its 4 k-tiles
+        wv = cuda.local.array(nwv, np.uint32)
+        ct = cuda.local.array(
+            16, np.float32
+        )  # split_chains: the 4 k-tiles' sums  # group u, tile f: [4(u F + f) ..]: its 4 k-tiles
         for gi0 in range(warp * unroll, groups, warps * unroll):
             for u in range(unroll):  # every load of the step first: unroll * feats * 512 B a warp
                 for f in range(feats):
@@ -170,6 +174,8 @@ def make_kernel(feats: int, unroll: int, warps: int):  # noqa: ANN201, C901
                     ft = ft0 + f
                     c0 = c1 = c2 = c3 = np.float32(0.0)
                     for j in range(4):
+                        if split_chains:  # k-tile j in its own chain of 3 mma (summed below)
+                            c0 = c1 = c2 = c3 = np.float32(0.0)
                         w = wv[4 * (u * feats + f) + j]
                         a0 = minus128((w & np.uint32(0x000F000F)) | np.uint32(0x43004300))
                         a1 = minus128(
@@ -184,6 +190,12 @@ def make_kernel(feats: int, unroll: int, warps: int):  # noqa: ANN201, C901
                         for p in range(3):
                             b0, b1 = bparts[6 * j + 2 * p], bparts[6 * j + 2 * p + 1]
                             c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                        ct[4 * j], ct[4 * j + 1], ct[4 * j + 2], ct[4 * j + 3] = c0, c1, c2, c3
+                    if split_chains:
+                        c0 = ((ct[0] + ct[4]) + ct[8]) + ct[12]
+                        c1 = ((ct[1] + ct[5]) + ct[9]) + ct[13]
+                        c2 = ((ct[2] + ct[6]) + ct[10]) + ct[14]
+                        c3 = ((ct[3] + ct[7]) + ct[11]) + ct[15]
                     feat = ft * 16 + g
                     s_lo, b_lo = scales[feat, gi], biases[feat, gi]
                     s_hi, b_hi = scales[feat + 8, gi], biases[feat + 8, gi]
@@ -222,7 +234,9 @@ def replay_each(cp, cuda, launch_one, copies: list) -> float:  # noqa: ANN001
 def main() -> None:  # noqa: C901
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--configs", default="1:4:4,1:2:4,1:2:8,2:2:4", help="F:U:W, ...")
+    parser.add_argument(
+        "--configs", default="1:4:4:1,1:4:4:4,1:2:8:4,2:2:4:4,2:2:8:4", help="F:U:W:chains, ..."
+    )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     import cupy as cp
@@ -236,7 +250,7 @@ def main() -> None:  # noqa: C901
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     kernels = {c: make_kernel(*c) for c in configs}
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'shape':8} {'rows':>4} {'kernel':10} {'rel err':>9} {'us':>8} {'TB/s':>6}")
+    print(f"{'shape':8} {'rows':>4} {'kernel':12} {'rel err':>9} {'us':>8} {'TB/s':>6}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         one = n * k // 2 + 2 * 4 * n * k // GROUP
@@ -291,9 +305,9 @@ def main() -> None:  # noqa: C901
                 base,
             )
             print(
-                f"{name:8} {rows:>4} {'cuda-core':10} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                f"{name:8} {rows:>4} {'cuda-core':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
             )
-            for (f, u, warps), kern in kernels.items():
+            for (f, u, warps, chains), kern in kernels.items():
                 if (k // GROUP) % (u * warps):
                     continue
                 grid = n // (16 * f)
@@ -310,7 +324,7 @@ def main() -> None:  # noqa: C901
                     ours,
                 )
                 print(
-                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}':10} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
                 )
 
 
