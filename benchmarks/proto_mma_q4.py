@@ -51,7 +51,7 @@ def repack(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(n // 16, k // GROUP, 128)).astype(np.uint32)
 
 
-def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1):  # noqa: ANN201, C901
+def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: int = 3):  # noqa: ANN201, C901
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -116,7 +116,7 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1):  # noqa: 
     def split3(hi_x, lo_x, parts, at):  # noqa: ANN001, ANN202
         # parts[at], parts[at + 2], parts[at + 4]: bf16x2 hi, mid, lo of (lo_x, hi_x);
         # x - part is exact in f32 at each step, so hi + mid + lo = x.
-        for p in range(3):
+        for p in range(nparts):
             v = bf16x2(hi_x, lo_x)
             parts[at + 2 * p] = v
             lo_x = lo_x - _bits_f32(v << np.uint32(16))
@@ -187,7 +187,7 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1):  # noqa: 
                         a3 = minus128(
                             ((w >> np.uint32(12)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
                         )
-                        for p in range(3):
+                        for p in range(nparts):
                             b0, b1 = bparts[6 * j + 2 * p], bparts[6 * j + 2 * p + 1]
                             c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
                         ct[4 * j], ct[4 * j + 1], ct[4 * j + 2], ct[4 * j + 3] = c0, c1, c2, c3
@@ -235,7 +235,9 @@ def main() -> None:  # noqa: C901
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8")
     parser.add_argument(
-        "--configs", default="1:4:4:1,1:4:4:4,1:2:8:4,2:2:4:4,2:2:8:4", help="F:U:W:chains, ..."
+        "--configs",
+        default="1:4:4:1:3,1:4:4:1:2,1:4:4:1:1,2:2:4:1:3,2:2:4:1:1",
+        help="F:U:W:chains:parts (parts < 3: x rounded, to time the split), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
@@ -307,7 +309,7 @@ def main() -> None:  # noqa: C901
             print(
                 f"{name:8} {rows:>4} {'cuda-core':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
             )
-            for (f, u, warps, chains), kern in kernels.items():
+            for (f, u, warps, chains, parts), kern in kernels.items():
                 if (k // GROUP) % (u * warps):
                     continue
                 grid = n // (16 * f)
@@ -324,7 +326,7 @@ def main() -> None:  # noqa: C901
                     ours,
                 )
                 print(
-                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
                 )
 
 
