@@ -51,7 +51,9 @@ def repack(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(n // 16, k // GROUP, 128)).astype(np.uint32)
 
 
-def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: int = 3):  # noqa: ANN201, C901
+def make_kernel(
+    feats: int, unroll: int, warps: int, chains: int = 1, nparts: int = 3, buffers: int = 1
+):  # noqa: ANN201, C901
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -60,6 +62,7 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: in
 
     nacc = 4 * feats  # accumulators a lane: 4 per feature tile
     split_chains = chains == 4  # 4 independent mma chains a group (else one of 12)
+    double_buffer = buffers == 2  # the next step's loads issued before this step's math
     nxv, nwv = 16 * unroll, 4 * unroll * feats
     ld_u32x4 = _asm_load(
         "ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4)
@@ -122,6 +125,16 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: in
             lo_x = lo_x - _bits_f32(v << np.uint32(16))
             hi_x = hi_x - _bits_f32(v & np.uint32(0xFFFF0000))
 
+    @cuda.jit(device=True)
+    def fetch(packed, ft0, gi0, lane, wn):  # noqa: ANN001, ANN202
+        # Every load of a step: unroll groups x feats tiles, 512 B each a warp.
+        for u in range(unroll):
+            for f in range(feats):
+                at = 4 * (u * feats + f)
+                wn[at], wn[at + 1], wn[at + 2], wn[at + 3] = ld_u32x4(
+                    _row3(packed, ft0 + f, gi0 + u), 4 * lane
+                )
+
     @cuda.jit
     def kernel(x, packed, scales, biases, out):  # noqa: ANN001, ANN202
         # x [rows <= 8, K] f32; packed [N/16, K/64, 128] u32; scales, biases [N, K/64] f32
@@ -140,17 +153,16 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: in
         bparts = cuda.local.array(
             24, np.uint32
         )  # k-tile j: [6j .. 6j+5] = hi0 hi1 mid0 mid1 lo0 lo1
-        wv = cuda.local.array(nwv, np.uint32)
-        ct = cuda.local.array(
-            16, np.float32
-        )  # split_chains: the 4 k-tiles' sums  # group u, tile f: [4(u F + f) ..]: its 4 k-tiles
-        for gi0 in range(warp * unroll, groups, warps * unroll):
-            for u in range(unroll):  # every load of the step first: unroll * feats * 512 B a warp
-                for f in range(feats):
-                    at = 4 * (u * feats + f)
-                    wv[at], wv[at + 1], wv[at + 2], wv[at + 3] = ld_u32x4(
-                        _row3(packed, ft0 + f, gi0 + u), 4 * lane
-                    )
+        wv = cuda.local.array(nwv, np.uint32)  # group u, tile f: [4(u F + f) ..], its 4 k-tiles
+        wn = cuda.local.array(nwv, np.uint32)  # the next step's words
+        ct = cuda.local.array(16, np.float32)  # split_chains: the 4 k-tiles' sums
+        gi0 = warp * unroll
+        fetch(packed, ft0, gi0, lane, wn)
+        while gi0 < groups:
+            for i in range(nwv):
+                wv[i] = wn[i]
+            if double_buffer and gi0 + warps * unroll < groups:  # the next step's loads in flight
+                fetch(packed, ft0, gi0 + warps * unroll, lane, wn)
             for u in range(unroll):
                 for j in range(4):
                     k0 = (gi0 + u) * GROUP + j * 16 + 2 * t
@@ -203,6 +215,9 @@ def make_kernel(feats: int, unroll: int, warps: int, chains: int = 1, nparts: in
                     acc[4 * f + 1] = cuda.fma(b_lo, sum1, cuda.fma(s_lo, c1, acc[4 * f + 1]))
                     acc[4 * f + 2] = cuda.fma(b_hi, sum0, cuda.fma(s_hi, c2, acc[4 * f + 2]))
                     acc[4 * f + 3] = cuda.fma(b_hi, sum1, cuda.fma(s_hi, c3, acc[4 * f + 3]))
+            gi0 += warps * unroll
+            if not double_buffer and gi0 < groups:
+                fetch(packed, ft0, gi0, lane, wn)
         buf = cuda.shared.array((warps, nacc, 32), np.float32)
         for i in range(4 * feats):
             buf[warp, i, lane] = acc[i]
@@ -236,8 +251,8 @@ def main() -> None:  # noqa: C901
     parser.add_argument("--rows", default="1,8")
     parser.add_argument(
         "--configs",
-        default="1:4:4:1:3,1:4:4:1:2,1:4:4:1:1,2:2:4:1:3,2:2:4:1:1",
-        help="F:U:W:chains:parts (parts < 3: x rounded, to time the split), ...",
+        default="1:4:4:1:3:1,1:4:4:1:3:2,1:2:4:1:3:2,2:2:4:1:3:2,1:2:8:1:3:2,1:4:4:1:1:2",
+        help="F:U:W:chains:parts:buffers (parts < 3: x rounded, to time the split), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
@@ -252,7 +267,7 @@ def main() -> None:  # noqa: C901
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     kernels = {c: make_kernel(*c) for c in configs}
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'shape':8} {'rows':>4} {'kernel':12} {'rel err':>9} {'us':>8} {'TB/s':>6}")
+    print(f"{'shape':8} {'rows':>4} {'kernel':14} {'rel err':>9} {'us':>8} {'TB/s':>6}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         one = n * k // 2 + 2 * 4 * n * k // GROUP
@@ -307,9 +322,9 @@ def main() -> None:  # noqa: C901
                 base,
             )
             print(
-                f"{name:8} {rows:>4} {'cuda-core':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                f"{name:8} {rows:>4} {'cuda-core':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
             )
-            for (f, u, warps, chains, parts), kern in kernels.items():
+            for (f, u, warps, chains, parts, bufs), kern in kernels.items():
                 if (k // GROUP) % (u * warps):
                     continue
                 grid = n // (16 * f)
@@ -326,7 +341,7 @@ def main() -> None:  # noqa: C901
                     ours,
                 )
                 print(
-                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}':12} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}:{bufs}':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
                 )
 
 
