@@ -235,8 +235,13 @@ def make_kernel(
     return kernel
 
 
-def replay_each(cp, cuda, launch_one, copies: list) -> float:  # noqa: ANN001
-    """GPU seconds of one launch_one(stream, *copy), averaged over a graph of one per copy."""
+def replay_each(cp, cuda, launch_one, copies: list, once: bool = False) -> float:  # noqa: ANN001
+    """GPU seconds of one launch_one(stream, *copy), averaged over a graph of one per copy;
+    once: launch_one on the first copy only, eagerly (nothing timed: for a profiler)."""
+    if once:
+        launch_one(cuda.external_stream(cp.cuda.get_current_stream().ptr), *copies[0])
+        cp.cuda.get_current_stream().synchronize()
+        return float("nan")
 
     def record(stream) -> None:  # noqa: ANN001
         ns = cuda.external_stream(stream.ptr)
@@ -255,6 +260,9 @@ def main() -> None:  # noqa: C901
         help="F:U:W:chains:parts:buffers (parts < 3: x rounded, to time the split), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--once", action="store_true", help="no timing: each kernel runs once (for ncu)"
+    )
     args = parser.parse_args()
     import cupy as cp
     from numba import cuda
@@ -320,6 +328,7 @@ def main() -> None:  # noqa: C901
                     "q4", dx, c, s, b, GROUP, ids, dout, ns
                 ),
                 base,
+                args.once,
             )
             print(
                 f"{name:8} {rows:>4} {'cuda-core':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
@@ -339,6 +348,7 @@ def main() -> None:  # noqa: C901
                         k, (grid,), 32 * warps, ns, dx, p, s, b, dout
                     ),
                     ours,
+                    args.once,
                 )
                 print(
                     f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}:{bufs}':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
