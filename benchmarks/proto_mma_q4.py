@@ -51,9 +51,15 @@ def repack(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.reshape(n // 16, k // GROUP, 128)).astype(np.uint32)
 
 
-def make_kernel(
-    feats: int, unroll: int, warps: int, chains: int = 1, nparts: int = 3, buffers: int = 1
-):  # noqa: ANN201, C901
+def make_kernel(  # noqa: C901, PLR0913
+    feats: int,
+    unroll: int,
+    warps: int,
+    chains: int = 1,
+    nparts: int = 3,
+    buffers: int = 1,
+    prep: int = 0,
+):  # noqa: ANN201
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -63,7 +69,9 @@ def make_kernel(
     nacc = 4 * feats  # accumulators a lane: 4 per feature tile
     split_chains = chains == 4  # 4 independent mma chains a group (else one of 12)
     double_buffer = buffers == 2  # the next step's loads issued before this step's math
+    prepared = prep == 1  # x's fragments and group sums read from prep_x's output
     nxv, nwv = 16 * unroll, 4 * unroll * feats
+    ld_x4 = _asm_load("ld.global.nc.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))
     ld_u32x4 = _asm_load(
         "ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4)
     )
@@ -136,7 +144,7 @@ def make_kernel(
                 )
 
     @cuda.jit
-    def kernel(x, packed, scales, biases, out):  # noqa: ANN001, ANN202
+    def kernel(x, xfrag, xsum, packed, scales, biases, out):  # noqa: ANN001, ANN202
         # x [rows <= 8, K] f32; packed [N/16, K/64, 128] u32; scales, biases [N, K/64] f32
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
@@ -163,25 +171,37 @@ def make_kernel(
                 wv[i] = wn[i]
             if double_buffer and gi0 + warps * unroll < groups:  # the next step's loads in flight
                 fetch(packed, ft0, gi0 + warps * unroll, lane, wn)
-            for u in range(unroll):
-                for j in range(4):
-                    k0 = (gi0 + u) * GROUP + j * 16 + 2 * t
-                    at = 16 * u + 4 * j
-                    xv[at], xv[at + 1] = _ld_f32x2(xr, k0)
-                    xv[at + 2], xv[at + 3] = _ld_f32x2(xr, k0 + 8)
+            if not prepared:
+                for u in range(unroll):
+                    for j in range(4):
+                        k0 = (gi0 + u) * GROUP + j * 16 + 2 * t
+                        at = 16 * u + 4 * j
+                        xv[at], xv[at + 1] = _ld_f32x2(xr, k0)
+                        xv[at + 2], xv[at + 3] = _ld_f32x2(xr, k0 + 8)
             for u in range(unroll):
                 gi = gi0 + u
-                part = np.float32(0.0)
-                for i in range(16):
-                    xv[16 * u + i] = xv[16 * u + i] * keep
-                    part = part + xv[16 * u + i]
-                part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
-                part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
-                sum0 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t)  # row 2t
-                sum1 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t + 4)  # row 2t + 1
-                for j in range(4):
-                    split3(xv[16 * u + 4 * j + 1], xv[16 * u + 4 * j], bparts, 6 * j)
-                    split3(xv[16 * u + 4 * j + 3], xv[16 * u + 4 * j + 2], bparts, 6 * j + 1)
+                if prepared:  # x's bf16 parts in fragment order and its group sums, loaded
+                    if g < rows:
+                        for c in range(6):
+                            v0, v1, v2, v3 = ld_x4(_row3(xfrag, gi, c), 4 * lane)
+                            bparts[4 * c], bparts[4 * c + 1] = v0, v1
+                            bparts[4 * c + 2], bparts[4 * c + 3] = v2, v3
+                    else:
+                        for c in range(24):
+                            bparts[c] = np.uint32(0)
+                    sum0, sum1 = _ld_f32x2(_row2(xsum, gi), 2 * t)
+                else:
+                    part = np.float32(0.0)
+                    for i in range(16):
+                        xv[16 * u + i] = xv[16 * u + i] * keep
+                        part = part + xv[16 * u + i]
+                    part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+                    part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+                    sum0 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t)  # row 2t
+                    sum1 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t + 4)  # row 2t + 1
+                    for j in range(4):
+                        split3(xv[16 * u + 4 * j + 1], xv[16 * u + 4 * j], bparts, 6 * j)
+                        split3(xv[16 * u + 4 * j + 3], xv[16 * u + 4 * j + 2], bparts, 6 * j + 1)
                 for f in range(feats):
                     ft = ft0 + f
                     c0 = c1 = c2 = c3 = np.float32(0.0)
@@ -232,7 +252,38 @@ def make_kernel(
                 if row < rows and feat < out.shape[1]:
                     out[row, feat] = total
 
-    return kernel
+    @cuda.jit
+    def prep_x(x, xfrag, xsum):  # noqa: ANN001, ANN202
+        # grid (groups,), 32 threads: lane 4g + t writes its B fragments of group gi (x's row g,
+        # 3 bf16 parts, 4 k-tiles: 24 words) and lane 4g writes the group's sum of row g; the
+        # same operations in the same order as the kernel's own preparation (the same bits).
+        gi = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        rows = x.shape[0]
+        xr = _row2(x, min(g, rows - 1))
+        keep = np.float32(1.0) if g < rows else np.float32(0.0)
+        xv = cuda.local.array(16, np.float32)
+        bparts = cuda.local.array(24, np.uint32)
+        for j in range(4):
+            k0 = gi * GROUP + j * 16 + 2 * t
+            xv[4 * j], xv[4 * j + 1] = _ld_f32x2(xr, k0)
+            xv[4 * j + 2], xv[4 * j + 3] = _ld_f32x2(xr, k0 + 8)
+        part = np.float32(0.0)
+        for i in range(16):
+            xv[i] = xv[i] * keep
+            part = part + xv[i]
+        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+        if t == 0:
+            xsum[gi, g] = part
+        for j in range(4):
+            split3(xv[4 * j + 1], xv[4 * j], bparts, 6 * j)
+            split3(xv[4 * j + 3], xv[4 * j + 2], bparts, 6 * j + 1)
+        for c in range(24):
+            xfrag[gi, c // 4, 4 * lane + c % 4] = bparts[c]
+
+    return kernel, prep_x
 
 
 def replay_each(cp, cuda, launch_one, copies: list, once: bool = False) -> float:  # noqa: ANN001
@@ -256,8 +307,8 @@ def main() -> None:  # noqa: C901
     parser.add_argument("--rows", default="1,8")
     parser.add_argument(
         "--configs",
-        default="1:4:4:1:3:1,1:4:4:1:3:2,1:2:4:1:3:2,2:2:4:1:3:2,1:2:8:1:3:2,1:4:4:1:1:2",
-        help="F:U:W:chains:parts:buffers (parts < 3: x rounded, to time the split), ...",
+        default="1:4:4:1:3:1:0,1:4:4:1:3:1:1,2:2:4:1:3:1:1,1:2:8:1:3:1:1,2:4:4:1:3:1:1,4:2:4:1:3:1:1",
+        help="F:U:W:chains:parts:buffers:prepared (parts < 3: x rounded, to time the split; prepared 1: x from prep_x), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
@@ -274,8 +325,9 @@ def main() -> None:  # noqa: C901
     rng = np.random.default_rng(0)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     kernels = {c: make_kernel(*c) for c in configs}
+    prep_x = make_kernel(1, 1, 1)[1]
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'shape':8} {'rows':>4} {'kernel':14} {'rel err':>9} {'us':>8} {'TB/s':>6}")
+    print(f"{'shape':8} {'rows':>4} {'kernel':16} {'rel err':>9} {'us':>8} {'TB/s':>6}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         one = n * k // 2 + 2 * 4 * n * k // GROUP
@@ -317,6 +369,18 @@ def main() -> None:  # noqa: C901
             want = x.astype(cp.float64) @ deq.T
             out = cp.full((rows, n), cp.nan, cp.float32)
             dx, dout = cuda.as_cuda_array(x, sync=False), cuda.as_cuda_array(out, sync=False)
+            xfrag = cuda.as_cuda_array(cp.zeros((k // GROUP, 6, 128), cp.uint32), sync=False)
+            xsum = cuda.as_cuda_array(cp.zeros((k // GROUP, 8), cp.float32), sync=False)
+            prep_sec = replay_each(
+                cp,
+                cuda,
+                lambda ns, xf, xs, dx=dx, groups=k // GROUP: _go(
+                    prep_x, (groups,), 32, ns, dx, xf, xs
+                ),
+                [(xfrag, xsum)],
+                args.once,
+            )
+            print(f"{name:8} {rows:>4} {'prep_x':16} {'':9} {prep_sec * 1e6:8.2f}")
             launch.matmul("q4", dx, base[0][0], base[0][1], base[0][2], GROUP, ids, dout)
             cp.cuda.Device().synchronize()
             err = float(cp.linalg.norm(out - want) / cp.linalg.norm(want))
@@ -331,27 +395,27 @@ def main() -> None:  # noqa: C901
                 args.once,
             )
             print(
-                f"{name:8} {rows:>4} {'cuda-core':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                f"{name:8} {rows:>4} {'cuda-core':16} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
             )
-            for (f, u, warps, chains, parts, bufs), kern in kernels.items():
+            for (f, u, warps, chains, parts, bufs, *pre), (kern, _) in kernels.items():
                 if (k // GROUP) % (u * warps):
                     continue
                 grid = n // (16 * f)
                 out[...] = cp.nan
-                _go(kern, (grid,), 32 * warps, None, dx, *ours[0], dout)
+                _go(kern, (grid,), 32 * warps, None, dx, xfrag, xsum, *ours[0], dout)
                 cp.cuda.Device().synchronize()
                 err = float(cp.linalg.norm(out - want) / cp.linalg.norm(want))
                 sec = replay_each(
                     cp,
                     cuda,
-                    lambda ns, p, s, b, k=kern, grid=grid, dx=dx, dout=dout, warps=warps: _go(
-                        k, (grid,), 32 * warps, ns, dx, p, s, b, dout
+                    lambda ns, p, s, b, k=kern, grid=grid, dx=dx, dout=dout, warps=warps, xf=xfrag, xs=xsum: (
+                        _go(k, (grid,), 32 * warps, ns, dx, xf, xs, p, s, b, dout)
                     ),
                     ours,
                     args.once,
                 )
                 print(
-                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}:{bufs}':14} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}:{bufs}:{pre[0] if pre else 0}':16} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
                 )
 
 
