@@ -15,7 +15,7 @@ the tensor core's f32; per group of 64: y += s * sum(q x) + b * sum(x).
   tiles, all U F 16-byte loads of a step issued first (a fixed split of
   k), combined in warp order through shared memory: the same bits whatever the row count.
 
-    python benchmarks/proto_mma_q4.py [--rows 1,8] [--configs F:U:W,...]
+    python benchmarks/proto_mma_q4.py [--rows 1,8] [--configs F:U:W:chains:parts:buffers:prepared:regs,...]
 
 Prints, per Qwen3-8B-shaped linear: relative error of both kernels against float64, and the
 GPU time and weight TB/s of each (graph replay over weight copies larger than the L2).
@@ -59,6 +59,7 @@ def make_kernel(  # noqa: C901, PLR0913
     nparts: int = 3,
     buffers: int = 1,
     prep: int = 0,
+    regs: int = 0,
 ):  # noqa: ANN201
     from llvmlite import ir
     from numba import cuda, types
@@ -143,7 +144,7 @@ def make_kernel(  # noqa: C901, PLR0913
                     _row3(packed, ft0 + f, gi0 + u), 4 * lane
                 )
 
-    @cuda.jit
+    @(cuda.jit(max_registers=regs) if regs else cuda.jit)
     def kernel(x, xfrag, xsum, packed, scales, biases, out):  # noqa: ANN001, ANN202
         # x [rows <= 8, K] f32; packed [N/16, K/64, 128] u32; scales, biases [N, K/64] f32
         lane = cuda.threadIdx.x % 32
@@ -307,8 +308,8 @@ def main() -> None:  # noqa: C901
     parser.add_argument("--rows", default="1,8")
     parser.add_argument(
         "--configs",
-        default="1:4:4:1:3:1:0,1:4:4:1:3:1:1,2:2:4:1:3:1:1,1:2:8:1:3:1:1,2:4:4:1:3:1:1,4:2:4:1:3:1:1",
-        help="F:U:W:chains:parts:buffers:prepared (parts < 3: x rounded, to time the split; prepared 1: x from prep_x), ...",
+        default="1:4:4:1:3:1:1:0,1:4:4:1:3:1:1:64,1:2:4:1:3:1:1:64,2:2:4:1:3:1:1:0,2:2:4:1:3:1:1:80,1:2:8:1:3:1:1:64",
+        help="F:U:W:chains:parts:buffers:prepared:regs (parts < 3: x rounded, to time the split; prepared 1: x from prep_x; regs: a register cap, 0 none), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument(
@@ -327,7 +328,7 @@ def main() -> None:  # noqa: C901
     kernels = {c: make_kernel(*c) for c in configs}
     prep_x = make_kernel(1, 1, 1)[1]
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'shape':8} {'rows':>4} {'kernel':16} {'rel err':>9} {'us':>8} {'TB/s':>6}")
+    print(f"{'shape':8} {'rows':>4} {'kernel':18} {'rel err':>9} {'us':>8} {'TB/s':>6}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         one = n * k // 2 + 2 * 4 * n * k // GROUP
@@ -380,7 +381,7 @@ def main() -> None:  # noqa: C901
                 [(xfrag, xsum)],
                 args.once,
             )
-            print(f"{name:8} {rows:>4} {'prep_x':16} {'':9} {prep_sec * 1e6:8.2f}")
+            print(f"{name:8} {rows:>4} {'prep_x':18} {'':9} {prep_sec * 1e6:8.2f}")
             launch.matmul("q4", dx, base[0][0], base[0][1], base[0][2], GROUP, ids, dout)
             cp.cuda.Device().synchronize()
             err = float(cp.linalg.norm(out - want) / cp.linalg.norm(want))
@@ -395,9 +396,9 @@ def main() -> None:  # noqa: C901
                 args.once,
             )
             print(
-                f"{name:8} {rows:>4} {'cuda-core':16} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                f"{name:8} {rows:>4} {'cuda-core':18} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
             )
-            for (f, u, warps, chains, parts, bufs, *pre), (kern, _) in kernels.items():
+            for (f, u, warps, chains, parts, bufs, *more), (kern, _) in kernels.items():
                 if (k // GROUP) % (u * warps):
                     continue
                 grid = n // (16 * f)
@@ -414,8 +415,9 @@ def main() -> None:  # noqa: C901
                     ours,
                     args.once,
                 )
+                label = "mma " + ":".join(map(str, (f, u, warps, chains, parts, bufs, *more)))
                 print(
-                    f"{name:8} {rows:>4} {f'mma {f}:{u}:{warps}:{chains}:{parts}:{bufs}:{pre[0] if pre else 0}':16} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
+                    f"{name:8} {rows:>4} {label:18} {err:9.2e} {sec * 1e6:8.2f} {one / sec / 1e12:6.2f}"
                 )
 
 
