@@ -308,7 +308,7 @@ def main() -> None:  # noqa: C901
     parser.add_argument("--rows", default="1,8")
     parser.add_argument(
         "--configs",
-        default="1:4:4:1:3:1:1:0,1:4:4:1:3:1:1:64,1:2:4:1:3:1:1:64,2:2:4:1:3:1:1:0,2:2:4:1:3:1:1:80,1:2:8:1:3:1:1:64",
+        default="1:4:4:1:3:1:1:0,1:4:4:1:3:1:1:96,1:4:4:1:3:1:1:80,1:2:4:1:3:1:1:80,2:2:4:1:3:1:1:0,2:2:4:1:3:1:1:104,1:2:8:1:3:1:1:80",
         help="F:U:W:chains:parts:buffers:prepared:regs (parts < 3: x rounded, to time the split; prepared 1: x from prep_x; regs: a register cap, 0 none), ...",
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
