@@ -12,8 +12,13 @@ the tensor core's f32; per group of 64: y += s * sum(q x) + b * sum(x).
 - Codes repacked (here, on the host) so that one 16-byte load of a lane holds its A fragments
   for the 4 k-tiles of a group: [features/16, groups, 32 lanes x 4 words].
 - A block of W warps: warp w takes groups wU .. wU + U - 1, then W U further, ... of F feature
-  tiles, all U F 16-byte loads of a step issued first (a fixed split of
-  k), combined in warp order through shared memory: the same bits whatever the row count.
+  tiles, all U F 16-byte loads of a step issued first (a fixed split of k), combined in warp
+  order through shared memory: the same bits whatever the row count.
+- x's fragments and group sums: made by every warp for itself, or (prepared) once per launch
+  by `prep_x` and loaded (the same operations in the same order).
+
+Findings (docs/PERFORMANCE.md, session 4): at 8 rows 2-2.5x faster than the CUDA-core kernel;
+at one row 15-40% slower in every configuration tried.
 
     python benchmarks/proto_mma_q4.py [--rows 1,8] [--configs F:U:W:chains:parts:buffers:prepared:regs,...]
 
