@@ -140,6 +140,29 @@ def make_kernel(  # noqa: C901, PLR0913
             hi_x = hi_x - _bits_f32(v & np.uint32(0xFFFF0000))
 
     @cuda.jit(device=True)
+    def load_x(xr, gi, t, xv, at):  # noqa: ANN001, ANN202
+        # xv[at .. at + 15]: the lane's x of group gi (k-tile j: k 2t, 2t+1, 2t+8, 2t+9).
+        for j in range(4):
+            k0 = gi * GROUP + j * 16 + 2 * t
+            xv[at + 4 * j], xv[at + 4 * j + 1] = _ld_f32x2(xr, k0)
+            xv[at + 4 * j + 2], xv[at + 4 * j + 3] = _ld_f32x2(xr, k0 + 8)
+
+    @cuda.jit(device=True)
+    def prepare_x(xv, at, keep, bparts):  # noqa: ANN001, ANN202
+        # From load_x's values: bparts = their bf16 parts (k-tile j: [6j .. 6j+5] = hi0 hi1
+        # mid0 mid1 lo0 lo1), and the group's sum of x's row g (every lane of row g).
+        part = np.float32(0.0)
+        for i in range(16):
+            xv[at + i] = xv[at + i] * keep
+            part = part + xv[at + i]
+        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+        for j in range(4):
+            split3(xv[at + 4 * j + 1], xv[at + 4 * j], bparts, 6 * j)
+            split3(xv[at + 4 * j + 3], xv[at + 4 * j + 2], bparts, 6 * j + 1)
+        return part
+
+    @cuda.jit(device=True)
     def fetch(packed, ft0, gi0, lane, wn):  # noqa: ANN001, ANN202
         # Every load of a step: unroll groups x feats tiles, 512 B each a warp.
         for u in range(unroll):
@@ -164,9 +187,8 @@ def make_kernel(  # noqa: C901, PLR0913
         for i in range(nacc):
             acc[i] = np.float32(0.0)
         xv = cuda.local.array(nxv, np.float32)
-        bparts = cuda.local.array(
-            24, np.uint32
-        )  # k-tile j: [6j .. 6j+5] = hi0 hi1 mid0 mid1 lo0 lo1
+        bparts = cuda.local.array(24, np.uint32)  # x's B fragments (see prepare_x)
+        a = cuda.local.array(4, np.uint32)  # one k-tile's A fragment
         wv = cuda.local.array(nwv, np.uint32)  # group u, tile f: [4(u F + f) ..], its 4 k-tiles
         wn = cuda.local.array(nwv, np.uint32)  # the next step's words
         ct = cuda.local.array(16, np.float32)  # split_chains: the 4 k-tiles' sums
@@ -179,11 +201,7 @@ def make_kernel(  # noqa: C901, PLR0913
                 fetch(packed, ft0, gi0 + warps * unroll, lane, wn)
             if not prepared:
                 for u in range(unroll):
-                    for j in range(4):
-                        k0 = (gi0 + u) * GROUP + j * 16 + 2 * t
-                        at = 16 * u + 4 * j
-                        xv[at], xv[at + 1] = _ld_f32x2(xr, k0)
-                        xv[at + 2], xv[at + 3] = _ld_f32x2(xr, k0 + 8)
+                    load_x(xr, gi0 + u, t, xv, 16 * u)
             for u in range(unroll):
                 gi = gi0 + u
                 if prepared:  # x's bf16 parts in fragment order and its group sums, loaded
@@ -197,17 +215,9 @@ def make_kernel(  # noqa: C901, PLR0913
                             bparts[c] = np.uint32(0)
                     sum0, sum1 = _ld_f32x2(_row2(xsum, gi), 2 * t)
                 else:
-                    part = np.float32(0.0)
-                    for i in range(16):
-                        xv[16 * u + i] = xv[16 * u + i] * keep
-                        part = part + xv[16 * u + i]
-                    part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
-                    part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+                    part = prepare_x(xv, 16 * u, keep, bparts)
                     sum0 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t)  # row 2t
                     sum1 = cuda.shfl_sync(0xFFFFFFFF, part, 8 * t + 4)  # row 2t + 1
-                    for j in range(4):
-                        split3(xv[16 * u + 4 * j + 1], xv[16 * u + 4 * j], bparts, 6 * j)
-                        split3(xv[16 * u + 4 * j + 3], xv[16 * u + 4 * j + 2], bparts, 6 * j + 1)
                 for f in range(feats):
                     ft = ft0 + f
                     c0 = c1 = c2 = c3 = np.float32(0.0)
@@ -215,20 +225,14 @@ def make_kernel(  # noqa: C901, PLR0913
                         if split_chains:  # k-tile j in its own chain of 3 mma (summed below)
                             c0 = c1 = c2 = c3 = np.float32(0.0)
                         w = wv[4 * (u * feats + f) + j]
-                        a0 = minus128((w & np.uint32(0x000F000F)) | np.uint32(0x43004300))
-                        a1 = minus128(
-                            ((w >> np.uint32(4)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
-                        )
-                        a2 = minus128(
-                            ((w >> np.uint32(8)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
-                        )
-                        a3 = minus128(
-                            ((w >> np.uint32(12)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
-                        )
+                        for r in range(4):  # register r: nibbles r and r + 4, as bf16 128 + q
+                            code = (w >> np.uint32(4 * r)) & np.uint32(0x000F000F)
+                            a[r] = minus128(code | np.uint32(0x43004300))
                         for p in range(nparts):
                             b0, b1 = bparts[6 * j + 2 * p], bparts[6 * j + 2 * p + 1]
-                            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-                        ct[4 * j], ct[4 * j + 1], ct[4 * j + 2], ct[4 * j + 3] = c0, c1, c2, c3
+                            c0, c1, c2, c3 = mma(a[0], a[1], a[2], a[3], b0, b1, c0, c1, c2, c3)
+                        if split_chains:
+                            ct[4 * j], ct[4 * j + 1], ct[4 * j + 2], ct[4 * j + 3] = c0, c1, c2, c3
                     if split_chains:
                         c0 = ((ct[0] + ct[4]) + ct[8]) + ct[12]
                         c1 = ((ct[1] + ct[5]) + ct[9]) + ct[13]
@@ -245,11 +249,11 @@ def make_kernel(  # noqa: C901, PLR0913
             if not double_buffer and gi0 < groups:
                 fetch(packed, ft0, gi0, lane, wn)
         buf = cuda.shared.array((warps, nacc, 32), np.float32)
-        for i in range(4 * feats):
+        for i in range(nacc):
             buf[warp, i, lane] = acc[i]
         cuda.syncthreads()
         if warp == 0:
-            for i in range(4 * feats):
+            for i in range(nacc):
                 total = buf[0, i, lane]
                 for w in range(1, warps):
                     total = total + buf[w, i, lane]
@@ -261,8 +265,8 @@ def make_kernel(  # noqa: C901, PLR0913
     @cuda.jit
     def prep_x(x, xfrag, xsum):  # noqa: ANN001, ANN202
         # grid (groups,), 32 threads: lane 4g + t writes its B fragments of group gi (x's row g,
-        # 3 bf16 parts, 4 k-tiles: 24 words) and lane 4g writes the group's sum of row g; the
-        # same operations in the same order as the kernel's own preparation (the same bits).
+        # 3 bf16 parts, 4 k-tiles: 24 words) and lane 4g writes the group's sum of row g, by
+        # the kernel's own load_x and prepare_x.
         gi = cuda.blockIdx.x
         lane = cuda.threadIdx.x
         g, t = lane // 4, lane % 4
@@ -271,21 +275,10 @@ def make_kernel(  # noqa: C901, PLR0913
         keep = np.float32(1.0) if g < rows else np.float32(0.0)
         xv = cuda.local.array(16, np.float32)
         bparts = cuda.local.array(24, np.uint32)
-        for j in range(4):
-            k0 = gi * GROUP + j * 16 + 2 * t
-            xv[4 * j], xv[4 * j + 1] = _ld_f32x2(xr, k0)
-            xv[4 * j + 2], xv[4 * j + 3] = _ld_f32x2(xr, k0 + 8)
-        part = np.float32(0.0)
-        for i in range(16):
-            xv[i] = xv[i] * keep
-            part = part + xv[i]
-        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
-        part = part + cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+        load_x(xr, gi, t, xv, 0)
+        part = prepare_x(xv, 0, keep, bparts)
         if t == 0:
             xsum[gi, g] = part
-        for j in range(4):
-            split3(xv[4 * j + 1], xv[4 * j], bparts, 6 * j)
-            split3(xv[4 * j + 3], xv[4 * j + 2], bparts, 6 * j + 1)
         for c in range(24):
             xfrag[gi, c // 4, 4 * lane + c % 4] = bparts[c]
 
@@ -326,7 +319,7 @@ def main() -> None:  # noqa: C901
 
     from cuda_kernels import launch
     from cuda_kernels.launch import _go
-    from tf_async.models.weights import unpack_codes
+    from tf_async.models.weights import pack_codes
 
     rng = np.random.default_rng(0)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
@@ -339,11 +332,7 @@ def main() -> None:  # noqa: C901
         one = n * k // 2 + 2 * 4 * n * k // GROUP
         copies = max(2, WORKING_SET // one)
         q = rng.integers(0, 16, (n, k), dtype=np.uint8)
-        codes = cp.asarray(
-            q.reshape(n, k // 8, 8).astype(np.uint32)
-            @ (np.uint32(1) << (4 * np.arange(8, dtype=np.uint32)))[:, None]
-        )[:, :, 0]
-        assert np.array_equal(unpack_codes(cp.asnumpy(codes), 4), q)
+        codes = cp.asarray(pack_codes(q, 4))
         packed = cp.asarray(repack(q))
         scales = cp.asarray((rng.random((n, k // GROUP)) * 0.02 + 0.001).astype(np.float32))
         biases = cp.asarray(
@@ -414,8 +403,8 @@ def main() -> None:  # noqa: C901
                 sec = replay_each(
                     cp,
                     cuda,
-                    lambda ns, p, s, b, k=kern, grid=grid, dx=dx, dout=dout, warps=warps, xf=xfrag, xs=xsum: (
-                        _go(k, (grid,), 32 * warps, ns, dx, xf, xs, p, s, b, dout)
+                    lambda ns, p, s, b, kern=kern, grid=grid, dx=dx, dout=dout, warps=warps, xf=xfrag, xs=xsum: (
+                        _go(kern, (grid,), 32 * warps, ns, dx, xf, xs, p, s, b, dout)
                     ),
                     ours,
                     args.once,
