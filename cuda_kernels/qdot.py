@@ -3,7 +3,8 @@
 Numerics, the same on every path (rows per block, features per warp, words in flight,
 grouped or not), so a row's bits never depend on the rows sharing the launch:
 - quantize_rows: for each row and chunk of CHUNK = 32 elements of x, amax = max |x|,
-  d = amax / 127, xi = rint(x * (127 / amax)) as int8 (all 0 when amax is 0); the chunk keeps
+  d = amax / 127, inv = 127 / amax (float32 divisions), xi = the exact product x * inv rounded
+  to the nearest integer, ties to even, as int8 (all 0 when amax is 0); the chunk keeps
   (d, d * sum(xi)).
 - Weight element k of feature o is s * q + b (q its code; s, b those of k's group, a group
   being whole chunks). A chunk's share of the dot product is then
@@ -29,51 +30,98 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import matmul as mm
-from cuda_kernels.env import cuda, warp_max, warp_sum
+from cuda_kernels.env import SIMULATOR, cuda, warp_max, warp_sum
 
 CHUNK = 32
 WORDS_PER_CHUNK = {"q4": 4, "q8": 8}
 QUANT_WARPS = 4
-_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: (t + M) - M rounds t to the nearest even integer
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: fma(v, inv, M) - M is v * inv to the nearest integer
 
 
-def x_position(kind: str, j: int) -> int:
-    """Byte of element j of a chunk in its quantized row (the order the weight words need)."""
-    if kind == "q8":
-        return j
-    return (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
+if SIMULATOR:  # cuda.fma rounds twice in the simulator: the exact product in float64 instead
+
+    @cuda.jit(device=True)
+    def _nearest(v, inv):  # noqa: ANN001, ANN202
+        t = np.float64(v) * np.float64(inv)  # exact
+        return np.float32((t + 6755399441055744.0) - 6755399441055744.0)  # 1.5 * 2**52
+
+else:
+
+    @cuda.jit(device=True)
+    def _nearest(v, inv):  # noqa: ANN001, ANN202
+        # The exact product v * inv (|v * inv| <= 127.x) rounded once to the nearest
+        # integer, ties to even: the ulp of 1.5 * 2**23 is 1.
+        return cuda.fma(v, inv, _MAGIC) - _MAGIC
 
 
-@cuda.jit
-def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
-    # x: [rows, K] f32; xq: [rows, K] int8; xs: [rows, 2 * K / 32] f32 (d, d * sum(xi)) per
-    # chunk. Grid (rows, chunk blocks), block 32 * QUANT_WARPS: one warp a chunk, lane j its
-    # element j.
-    row = cuda.blockIdx.x
-    chunk = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x // 32
-    lane = cuda.threadIdx.x % 32
-    chunks = x.shape[1] // CHUNK
-    c = min(chunk, chunks - 1)  # every lane of the warp runs the shuffles
-    v = x[row, c * CHUNK + lane]
-    amax = warp_max(abs(v))
+def x_position(q4_order: bool, j: int) -> int:
+    """Byte of element j of a chunk in its quantized row (the order q4 or q8 words need)."""
+    return (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2 if q4_order else j
+
+
+@cuda.jit(device=True)
+def _chunk_scales(amax):  # noqa: ANN001, ANN202
     d = amax / np.float32(127.0)
     inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
-    t = v * inv
-    r = (t + _MAGIC) - _MAGIC
-    r = min(max(r, np.float32(-127.0)), np.float32(127.0))
-    total = warp_sum(r)  # exact: integers of at most 32 * 127
-    if chunk < chunks:
-        pos = (lane // 8) * 8 + (lane % 2) * 4 + (lane % 8) // 2 if q4_order else lane
-        xq[row, c * CHUNK + pos] = np.int8(r)
-        if lane == 0:
+    return d, inv
+
+
+@cuda.jit(device=True)
+def _level(v, inv):  # noqa: ANN001, ANN202
+    return min(max(_nearest(v, inv), np.float32(-127.0)), np.float32(127.0))
+
+
+_position = cuda.jit(device=True)(x_position)
+
+
+if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two barriers)
+    QUANT_THREADS = QUANT_WARPS
+
+    @cuda.jit
+    def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        row = cuda.blockIdx.x
+        c = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x
+        if c < x.shape[1] // CHUNK:
+            amax = np.float32(0.0)
+            for j in range(CHUNK):
+                amax = max(amax, abs(x[row, c * CHUNK + j]))
+            d, inv = _chunk_scales(amax)
+            total = np.float32(0.0)
+            for j in range(CHUNK):
+                r = _level(x[row, c * CHUNK + j], inv)
+                xq[row, c * CHUNK + _position(q4_order, j)] = np.int8(r)
+                total += r  # exact: integers of at most 32 * 127
             xs[row, 2 * c] = d
             xs[row, 2 * c + 1] = d * total
+
+else:
+    QUANT_THREADS = 32 * QUANT_WARPS
+
+    @cuda.jit
+    def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        # x: [rows, K] f32; xq: [rows, K] int8; xs: [rows, 2 * K / 32] f32 (d, d * sum(xi))
+        # per chunk. Grid (rows, chunk blocks), block QUANT_THREADS: one warp a chunk, lane j
+        # its element j.
+        row = cuda.blockIdx.x
+        chunk = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        chunks = x.shape[1] // CHUNK
+        c = min(chunk, chunks - 1)  # every lane of the warp runs the shuffles
+        v = x[row, c * CHUNK + lane]
+        d, inv = _chunk_scales(warp_max(abs(v)))
+        r = _level(v, inv)
+        total = warp_sum(r)  # exact: integers of at most 32 * 127
+        if chunk < chunks:
+            xq[row, c * CHUNK + _position(q4_order, lane)] = np.int8(r)
+            if lane == 0:
+                xs[row, 2 * c] = d
+                xs[row, 2 * c + 1] = d * total
 
 
 def quantize_shape(rows: int, in_features: int) -> tuple[tuple[int, int], int]:
     """(grid, block) of quantize_rows."""
     chunks = in_features // CHUNK
-    return (rows, (chunks + QUANT_WARPS - 1) // QUANT_WARPS), 32 * QUANT_WARPS
+    return (rows, (chunks + QUANT_WARPS - 1) // QUANT_WARPS), QUANT_THREADS
 
 
 def _make_fetch(kind: str, variant: mm.Variant):  # noqa: ANN202
@@ -199,14 +247,13 @@ def qdot_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool
 
 def plan(rows: int, out_features: int, path: str, grouped: bool = False) -> mm.Variant:
     """The variant of a launch (none changes a row's bits)."""
-    narrow = 2 if out_features < 4096 else 1
-    if path == "many" and not grouped:
-        if rows <= 4:
-            return mm.Variant(4, 8 // narrow, 1, True)
-        return mm.Variant(mm.MANY_ROWS_TILE, 4 // narrow, 1, True)
-    if rows <= 1 or grouped:
-        return mm.Variant(1, 2, 2, True)
-    return mm.Variant(2, 2, 2, True)
+    if path == "many" and not grouped:  # the fastest at 8 rows, H200 (bench_qdot.py)
+        if rows <= 4 or out_features > 4096:
+            return mm.Variant(4, 4, 1, True)
+        return mm.Variant(mm.MANY_ROWS_TILE, 4, 1, True)
+    if rows <= 1 or grouped:  # the fastest at every Qwen3-8B shape, one row, H200
+        return mm.Variant(1, 2, 1, True)
+    return mm.Variant(2, 2, 1, True)
 
 
 def supports(in_features: int, group_size: int) -> bool:

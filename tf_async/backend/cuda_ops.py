@@ -224,8 +224,13 @@ class CudaOps:
         grouped = expert_ids is not None
         ids = expert_ids if grouped else self._no_experts
         args = [self._dev(a) for a in (rows, words, scales, biases)]
+        scratch = {}
+        if self._launch.uses_int8_x(kind, words, group_size):  # x quantized to int8 first
+            q_shape, s_shape = self._launch.quantize_scratch_shapes(*rows.shape)
+            scratch = {"xq": self._dev(self.xp.empty(q_shape, self.xp.int8)),
+                       "xs": self._dev(self.xp.empty(s_shape, self.xp.float32))}
         self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
-                            path=path, grouped=grouped, epilogue=epilogue)
+                            path=path, grouped=grouped, epilogue=epilogue, **scratch)
 
     # ------------------------------------------------------------------ fused layer ops
     # The decoder's fast path on this backend (Decoder checks `fused_layers`): one matmul for
