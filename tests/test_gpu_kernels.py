@@ -184,16 +184,20 @@ def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: A
     xp, gs = ops.xp, 64 if kind == "q4" else 1 << 30
     xs = {n: xp.random.standard_normal((rows, n), dtype=xp.float32) for _, n in QWEN3_8B_LAYER}
     outs = {n: xp.empty((rows, n), xp.float32) for n, _ in QWEN3_8B_LAYER}
+    scratch = {}  # int8 x for the affine kind: held for the graph's life, not per launch
+    for n in xs if kind == "q4" else ():
+        q_shape, s_shape = launch.quantize_scratch_shapes(rows, n)
+        scratch[n] = {"xq": ops._dev(xp.empty(q_shape, xp.int8)), "xs": ops._dev(xp.empty(s_shape, xp.float32))}
     stream = xp.cuda.Stream(non_blocking=False)
     with stream:
-        launches = [(ops._dev(xs[n_in]), [ops._dev(p) for p in parts], ops._dev(outs[n_out]))
+        launches = [(ops._dev(xs[n_in]), [ops._dev(p) for p in parts], ops._dev(outs[n_out]), scratch.get(n_in, {}))
                     for layer in layers
                     for (n_out, n_in), (parts, _) in zip(QWEN3_8B_LAYER, layer, strict=True)]
         experts = ops._dev(ops._no_experts)
 
     def record() -> None:
-        for x, parts, out in launches:
-            launch.matmul(kind, x, *parts, gs, experts, out, ops._stream())
+        for x, parts, out, kw in launches:
+            launch.matmul(kind, x, *parts, gs, experts, out, ops._stream(), **kw)
 
     return _replay_seconds(xp, stream, record, 5) / len(layers)
 
