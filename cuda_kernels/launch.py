@@ -38,22 +38,27 @@ def _grid_1d(total: int, threads: int) -> int:
 
 
 def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: ANN001, E501
-           epilogue="store", xq=None, xs=None) -> None:
+           epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
     placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
     'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I]).
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
-    (scratch; None: allocated here), then the qdot kernel."""
+    (scratch; None: allocated here), then the qdot kernel. x_ready: xq and xs already hold x
+    (rms_norm_quantize wrote them; x is not read and may be None)."""
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
     for name, array in (("x", x), ("w", w), ("scales", scales), ("biases", biases)):
-        if array.strides[-1] != 4:  # the kernels address rows as base + 4 * index
+        if array is not None and array.strides[-1] != 4:  # rows addressed as base + 4 * index
             raise ValueError(f"matmul {name}: the last axis must be contiguous 4-byte elements")
-    if uses_int8_x(kind, w, group_size):
-        xq, xs = _quantize(kind, x, xq, xs, stream)
+    int8_x = uses_int8_x(kind, w, group_size)
+    if x_ready and not (int8_x and xq is not None and xs is not None):
+        raise ValueError("matmul: x_ready needs xq and xs, and a weight that takes int8 x")
+    if int8_x:
+        if not x_ready:
+            xq, xs = _quantize(kind, x, xq, xs, stream)
         variant = _qd.plan(rows, w.shape[1], path, grouped)
         kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
         grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
@@ -181,6 +186,12 @@ def copy_rows(src, src_rows, dst, dst_rows, stream=None) -> None:  # noqa: ANN00
 def rms_norm(x, w, eps, out, stream=None) -> None:  # noqa: ANN001
     kernel = _norm.rms_norm_kernel(x.shape[1])
     _go(kernel, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
+
+
+def rms_norm_quantize(x, w, eps, q4_order, xq, xs, stream=None) -> None:  # noqa: ANN001
+    """xq, xs = the int8 x (qdot.quantize_rows) of rms_norm(x, w, eps), in one launch."""
+    grid, block = _qd.quantize_shape(x.shape[0], x.shape[1], norm=True)
+    _go(_qd.rms_norm_quantize, grid, block, stream, x, w, eps, q4_order, xq, xs)
 
 
 def rope(x, positions, inv_freq, mscale, stream=None) -> None:  # noqa: ANN001

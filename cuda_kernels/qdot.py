@@ -31,10 +31,11 @@ import numpy as np
 
 from cuda_kernels import matmul as mm
 from cuda_kernels.env import SIMULATOR, cuda, warp_max, warp_sum
+from cuda_kernels.norm import NORM_THREADS, inv_rms_of, sum_squares
 
 CHUNK = 32
 WORDS_PER_CHUNK = {"q4": 4, "q8": 8}
-QUANT_WARPS = 4
+QUANT_WARPS = 4  # warps a block of quantize_rows; 32 * QUANT_WARPS == norm.NORM_THREADS
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: fma(v, inv, M) - M is v * inv to the nearest integer
 
 
@@ -74,6 +75,36 @@ def _level(v, inv):  # noqa: ANN001, ANN202
 _position = cuda.jit(device=True)(x_position)
 
 
+@cuda.jit(device=True)
+def _quantize_serial(vals, row, c, q4_order, xq, xs):  # noqa: ANN001, ANN202
+    # Chunk c of the row from its 32 values, one thread (the simulator's form)
+    amax = np.float32(0.0)
+    for j in range(CHUNK):
+        amax = max(amax, abs(vals[j]))
+    d, inv = _chunk_scales(amax)
+    total = np.float32(0.0)
+    for j in range(CHUNK):
+        r = _level(vals[j], inv)
+        xq[row, c * CHUNK + _position(q4_order, j)] = np.int8(r)
+        total += r  # exact: integers of at most 32 * 127
+    xs[row, 2 * c] = d
+    xs[row, 2 * c + 1] = d * total
+
+
+@cuda.jit(device=True)
+def _quantize_warp(v, lane, chunk, chunks, row, q4_order, xq, xs):  # noqa: ANN001, ANN202
+    # Chunk `chunk` of the row, value v of element `lane` in each lane of one warp (every lane
+    # runs the shuffles; a warp past the last chunk stores nothing)
+    d, inv = _chunk_scales(warp_max(abs(v)))
+    r = _level(v, inv)
+    total = warp_sum(r)  # exact: integers of at most 32 * 127
+    if chunk < chunks:
+        xq[row, chunk * CHUNK + _position(q4_order, lane)] = np.int8(r)
+        if lane == 0:
+            xs[row, 2 * chunk] = d
+            xs[row, 2 * chunk + 1] = d * total
+
+
 if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two barriers)
     QUANT_THREADS = QUANT_WARPS
 
@@ -82,17 +113,19 @@ if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two b
         row = cuda.blockIdx.x
         c = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x
         if c < x.shape[1] // CHUNK:
-            amax = np.float32(0.0)
+            _quantize_serial(x[row, c * CHUNK : (c + 1) * CHUNK], row, c, q4_order, xq, xs)
+
+    @cuda.jit
+    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        partial = cuda.shared.array(NORM_THREADS, np.float32)
+        vals = cuda.local.array(CHUNK, np.float32)
+        row, dim = cuda.blockIdx.x, x.shape[1]
+        inv_rms = inv_rms_of(sum_squares(x, row, 0, dim), dim, eps, partial)
+        c = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x
+        if cuda.threadIdx.x < QUANT_WARPS and c < dim // CHUNK:
             for j in range(CHUNK):
-                amax = max(amax, abs(x[row, c * CHUNK + j]))
-            d, inv = _chunk_scales(amax)
-            total = np.float32(0.0)
-            for j in range(CHUNK):
-                r = _level(x[row, c * CHUNK + j], inv)
-                xq[row, c * CHUNK + _position(q4_order, j)] = np.int8(r)
-                total += r  # exact: integers of at most 32 * 127
-            xs[row, 2 * c] = d
-            xs[row, 2 * c + 1] = d * total
+                vals[j] = (x[row, c * CHUNK + j] * inv_rms) * w[c * CHUNK + j]
+            _quantize_serial(vals, row, c, q4_order, xq, xs)
 
 else:
     QUANT_THREADS = 32 * QUANT_WARPS
@@ -102,26 +135,30 @@ else:
         # x: [rows, K] f32; xq: [rows, K] int8; xs: [rows, 2 * K / 32] f32 (d, d * sum(xi))
         # per chunk. Grid (rows, chunk blocks), block QUANT_THREADS: one warp a chunk, lane j
         # its element j.
-        row = cuda.blockIdx.x
         chunk = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
-        chunks = x.shape[1] // CHUNK
-        c = min(chunk, chunks - 1)  # every lane of the warp runs the shuffles
-        v = x[row, c * CHUNK + lane]
-        d, inv = _chunk_scales(warp_max(abs(v)))
-        r = _level(v, inv)
-        total = warp_sum(r)  # exact: integers of at most 32 * 127
-        if chunk < chunks:
-            xq[row, c * CHUNK + _position(q4_order, lane)] = np.int8(r)
-            if lane == 0:
-                xs[row, 2 * c] = d
-                xs[row, 2 * c + 1] = d * total
+        lane, chunks = cuda.threadIdx.x % 32, x.shape[1] // CHUNK
+        v = x[cuda.blockIdx.x, min(chunk, chunks - 1) * CHUNK + lane]
+        _quantize_warp(v, lane, chunk, chunks, cuda.blockIdx.x, q4_order, xq, xs)
+
+    @cuda.jit
+    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        # quantize_rows of rms_norm(x, w, eps): each block works out the row's 1 / rms as
+        # norm.rms_norm does (the same threads, order and bits), then quantizes its chunks of
+        # the normed row (the same expression as rms_norm's output). Grid as quantize_rows.
+        partial = cuda.shared.array(NORM_THREADS, np.float32)
+        row, dim = cuda.blockIdx.x, x.shape[1]
+        inv_rms = inv_rms_of(sum_squares(x, row, 0, dim), dim, eps, partial)
+        chunk = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x // 32
+        lane, chunks = cuda.threadIdx.x % 32, dim // CHUNK
+        i = min(chunk, chunks - 1) * CHUNK + lane
+        _quantize_warp((x[row, i] * inv_rms) * w[i], lane, chunk, chunks, row, q4_order, xq, xs)
 
 
-def quantize_shape(rows: int, in_features: int) -> tuple[tuple[int, int], int]:
-    """(grid, block) of quantize_rows."""
+def quantize_shape(rows: int, in_features: int, norm: bool = False) -> tuple[tuple[int, int], int]:
+    """(grid, block) of quantize_rows, or of rms_norm_quantize (norm: NORM_THREADS a block,
+    the threads of rms_norm's reduction)."""
     chunks = in_features // CHUNK
-    return (rows, (chunks + QUANT_WARPS - 1) // QUANT_WARPS), QUANT_THREADS
+    return (rows, (chunks + QUANT_WARPS - 1) // QUANT_WARPS), NORM_THREADS if norm else QUANT_THREADS
 
 
 def _make_fetch(kind: str, variant: mm.Variant):  # noqa: ANN202

@@ -536,7 +536,23 @@ def check_fused_layer_ops(rng: np.random.Generator) -> None:
         want = np.full((rows, inter), np.nan, np.float32)
         launch.silu_mul(np.ascontiguousarray(plain[:, :inter]), np.ascontiguousarray(plain[:, inter:]), want)
         assert np.array_equal(fused, want), path
+    _check_norm_quantize(rng)
     _check_attn_inputs(rng)
+
+
+def _check_norm_quantize(rng: np.random.Generator) -> None:
+    """rms_norm_quantize gives the bits of rms_norm, then quantize_rows (both byte orders)."""
+    from cuda_kernels import launch
+
+    x = rng.standard_normal((3, 320)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(320)).astype(np.float32)
+    normed = np.full_like(x, np.nan)
+    launch.rms_norm(x, w, np.float32(1e-6), normed)
+    for kind in ("q4", "q8"):
+        want_q, want_s = launch._quantize(kind, normed, None, None, None)
+        xq, xs = np.full(x.shape, 99, np.int8), np.full(want_s.shape, np.nan, np.float32)
+        launch.rms_norm_quantize(x, w, np.float32(1e-6), kind == "q4", xq, xs)
+        assert np.array_equal(xq, want_q) and np.array_equal(xs, want_s), kind
 
 
 def _check_attn_inputs(rng: np.random.Generator) -> None:

@@ -371,6 +371,12 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     want = ops.silu_mul(ops.linear(x, mats[3]), ops.linear(x, mats[4]))
     assert bool(xp.array_equal(ops.swiglu_linear(x, gate_up), want))
     qkv = ops.linear(x, qkv_w)
+    norm_w = ops.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    normed = ops.rms_norm_for(x, norm_w, 1e-6, qkv_w)  # one launch: rms_norm + int8 x
+    assert not isinstance(normed, type(x)), "q4 weights take int8 x"
+    assert bool(xp.array_equal(ops.linear(normed, qkv_w), ops.linear(ops.rms_norm(x, norm_w, 1e-6), qkv_w)))
+    assert bool(xp.array_equal(ops.swiglu_linear(ops.rms_norm_for(x, norm_w, 1e-6, gate_up), gate_up),
+                               ops.swiglu_linear(ops.rms_norm(x, norm_w, 1e-6), gate_up)))
     norms = [ops.asarray((1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2)]
     inv_freq = ops.asarray((1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32))
     pos = ops.asarray(rng.integers(0, 40000, rows).astype(np.int64))
