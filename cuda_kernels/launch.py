@@ -16,7 +16,10 @@ from cuda_kernels import kv as _kv
 from cuda_kernels import matmul as _mm
 from cuda_kernels import moe as _moe
 from cuda_kernels import norm as _norm
+from cuda_kernels import qdot as _qd
 from cuda_kernels import sampling as _smp
+from cuda_kernels.env import SIMULATOR as _SIMULATOR
+from cuda_kernels.env import cuda as _cuda
 
 _MAX_GRID_1D = 65535 * 64
 MAX_HEAD_DIM = _heads.MAX_HEAD_DIM
@@ -35,17 +38,32 @@ def _grid_1d(total: int, threads: int) -> int:
 
 
 def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: ANN001, E501
-           epilogue="store") -> None:
+           epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
     placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
-    'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I])."""
+    'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I]).
+    Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
+    (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
+    (scratch; None: allocated here), then the qdot kernel. x_ready: xq and xs already hold x
+    (rms_norm_quantize wrote them; x is not read and may be None)."""
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
     for name, array in (("x", x), ("w", w), ("scales", scales), ("biases", biases)):
-        if array.strides[-1] != 4:  # the kernels address rows as base + 4 * index
+        if array is not None and array.strides[-1] != 4:  # rows addressed as base + 4 * index
             raise ValueError(f"matmul {name}: the last axis must be contiguous 4-byte elements")
+    int8_x = uses_int8_x(kind, w, group_size)
+    if x_ready and not (int8_x and xq is not None and xs is not None):
+        raise ValueError("matmul: x_ready needs xq and xs, and a weight that takes int8 x")
+    if int8_x:
+        if not x_ready:
+            xq, xs = _quantize(kind, x, xq, xs, stream)
+        variant = _qd.plan(rows, w.shape[1], path, grouped)
+        kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
+        grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
+        _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, expert_ids, out)
+        return
     align = 4 * _mm.X_BATCH[kind]  # vector loads of x need every row start aligned
     vec_x = _address(x) % align == 0 and x.strides[0] % align == 0
     variant = _mm.plan(rows, w.shape[1], path, vec_x, grouped)
@@ -53,6 +71,36 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     kernel = _mm.matmul_kernel(kind, variant, group_words, grouped, epilogue)
     grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
+
+
+def uses_int8_x(kind, w, group_size) -> bool:  # noqa: ANN001
+    """Whether an affine weight [E, out_f, words] takes the int8-activation kernel: whole
+    chunks of 32 inside each scale group, and 16-byte aligned rows (its 16-byte loads). A
+    weight's answer never changes, so every row it multiplies gets the same numerics."""
+    if kind not in _qd.WORDS_PER_CHUNK:
+        return False
+    in_features = w.shape[2] * _mm.PER_WORD[kind]
+    aligned = _address(w) % 16 == 0 and all(s % 16 == 0 for s in w.strides[:2])
+    return aligned and _qd.supports(in_features, group_size)
+
+
+def quantize_scratch_shapes(rows: int, in_features: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the int8 x (int8) and its chunk scales (float32) that matmul needs."""
+    return (rows, in_features), (rows, 2 * in_features // _qd.CHUNK)
+
+
+def _quantize(kind, x, xq, xs, stream):  # noqa: ANN001, ANN202
+    q_shape, s_shape = quantize_scratch_shapes(*x.shape)
+    if xq is None:  # NumPy under the simulator, else Numba device arrays
+        xq = _np.empty(q_shape, _np.int8) if _SIMULATOR else _cuda.device_array(q_shape, _np.int8, stream=stream or 0)
+        xs = _np.empty(s_shape, _np.float32) if _SIMULATOR else _cuda.device_array(s_shape, _np.float32,
+                                                                                  stream=stream or 0)
+    if tuple(xq.shape) != q_shape or tuple(xs.shape) != s_shape:
+        raise ValueError(f"matmul int8 x scratch: expected {q_shape} and {s_shape}, got {xq.shape} and {xs.shape}")
+    if x.shape[0]:
+        grid, block = _qd.quantize_shape(*x.shape)
+        _go(_qd.quantize_rows, grid, block, stream, x, kind == "q4", xq, xs)
+    return xq, xs
 
 
 def _address(array) -> int:  # noqa: ANN001
@@ -138,6 +186,12 @@ def copy_rows(src, src_rows, dst, dst_rows, stream=None) -> None:  # noqa: ANN00
 def rms_norm(x, w, eps, out, stream=None) -> None:  # noqa: ANN001
     kernel = _norm.rms_norm_kernel(x.shape[1])
     _go(kernel, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
+
+
+def rms_norm_quantize(x, w, eps, q4_order, xq, xs, stream=None) -> None:  # noqa: ANN001
+    """xq, xs = the int8 x (qdot.quantize_rows) of rms_norm(x, w, eps), in one launch."""
+    grid, block = _qd.quantize_shape(x.shape[0], x.shape[1], norm=True)
+    _go(_qd.rms_norm_quantize, grid, block, stream, x, w, eps, q4_order, xq, xs)
 
 
 def rope(x, positions, inv_freq, mscale, stream=None) -> None:  # noqa: ANN001

@@ -106,6 +106,24 @@ if SIMULATOR:
     def _bits_f32(u):  # noqa: ANN001, ANN202
         return np.uint32(u).view(np.float32)
 
+    @cuda.jit(device=True)
+    def _ld_u32x4(row, i):  # noqa: ANN001, ANN202
+        return row[i], row[i + 1], row[i + 2], row[i + 3]
+
+    @cuda.jit(device=True)
+    def _ld_x_u32x4(row, i):  # noqa: ANN001, ANN202
+        return row[i], row[i + 1], row[i + 2], row[i + 3]
+
+    @cuda.jit(device=True)
+    def _dp4a(a, b, c):  # noqa: ANN001, ANN202
+        # c + sum over the 4 bytes of a (unsigned) times those of b (signed)
+        total = int(c)
+        for i in range(4):
+            ai = (int(a) >> (8 * i)) & 0xFF
+            bi = (int(b) >> (8 * i)) & 0xFF
+            total += ai * (bi - 256 if bi >= 128 else bi)
+        return np.int32(total)
+
 else:
     from llvmlite import ir
     from numba import types
@@ -167,6 +185,21 @@ else:
     _ld_f32 = _asm_load("ld.global.nc.f32", 1, "f", types.float32)
     _ld_f32x4 = _asm_load("ld.global.nc.v4.f32", 4, "f", types.UniTuple(types.float32, 4))
     _ld_f32x2 = _asm_load("ld.global.nc.v2.f32", 2, "f", types.UniTuple(types.float32, 2))
+    _ld_u32x4 = _asm_load("ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))
+    _ld_x_u32x4 = _asm_load("ld.global.nc.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))  # through L1
+
+    @intrinsic
+    def _dp4a(typingctx, a, b, c):  # noqa: ANN001, ANN202
+        """c + the dot product of a's 4 bytes (unsigned) and b's 4 bytes (signed): an exact
+        int32 (PTX dp4a.u32.s32)."""
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            i32 = ir.IntType(32)
+            vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.u32.s32 $0, $1, $2, $3;",
+                               "=r,r,r,r")
+            return builder.call(asm, vals)
+
+        return types.int32(a, b, c), codegen
 
     def _asm_prefetch(level: str):  # noqa: ANN202
         @intrinsic

@@ -114,6 +114,26 @@ def moe_route_ref(logits, top_k, norm):  # noqa: ANN001, ANN201
     return ids.astype(np.int32), w
 
 
+def int8_x_ref(x: np.ndarray) -> np.ndarray:
+    """x as the int8-activation matmul sees it (cuda_kernels/qdot.py), float64: per chunk of
+    32, the exact x * (127 / amax) to the nearest integer (ties to even) times amax / 127."""
+    rows, k = x.shape
+    chunks = np.ascontiguousarray(x, np.float32).reshape(rows, k // 32, 32)
+    amax = np.abs(chunks).max(-1)
+    d = amax / np.float32(127.0)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(chunks.astype(np.float64) * inv[..., None].astype(np.float64)), -127, 127)
+    return (q * d[..., None].astype(np.float64)).reshape(rows, k)
+
+
+def affine_x_ref(x: np.ndarray, group_size: int) -> np.ndarray:
+    """The x an affine matmul multiplies: int8_x_ref(x) where the int8-activation kernel
+    takes the weight (cuda_kernels.qdot.supports), x itself otherwise."""
+    from cuda_kernels import qdot
+
+    return int8_x_ref(x) if qdot.supports(x.shape[1], group_size) else x.astype(np.float64)
+
+
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     return float(np.linalg.norm(out.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -168,7 +188,7 @@ def check_matmul(rng: np.random.Generator) -> None:
             placeholder = np.zeros(1, np.int32)
             launch.matmul(kind, x, codes, scales, biases, 64, placeholder, out, path=path)
             results[path] = out
-            assert rel_err(out, x @ deq[0].T) < 1e-5, (kind, path)
+            assert rel_err(out, affine_x_ref(x, 64) @ deq[0].T) < 1e-5, (kind, path)
         assert np.array_equal(results["few"], results["many"]), kind
     _check_dense_matmul(rng, x, out_f)
     for case in matmul_cases(rng, rows=7, out_f=5):
@@ -184,7 +204,7 @@ def _check_full_steps(rng: np.random.Generator) -> None:
     x = rng.standard_normal((3, 4608)).astype(np.float32)  # 576 q4 words
     parts = affine_weight(rng, 1, 5, 4608, 4, 64)
     many = _sim_matmul("q4", x, parts[:3], 64, path="many")
-    assert rel_err(many, x @ parts[3][0].T) < 1e-5
+    assert rel_err(many, affine_x_ref(x, 64) @ parts[3][0].T) < 1e-5
     for start, count in ((0, 1), (2, 1), (1, 2)):
         got = _sim_matmul("q4", x[start : start + count], parts[:3], 64)
         assert np.array_equal(got, many[start : start + count]), (start, count)
@@ -211,10 +231,10 @@ def matmul_cases(rng: np.random.Generator, rows: int, out_f: int, scale: int = 1
     x_rows = rng.standard_normal((rows, 704 * scale)).astype(np.float32)
     cases = []
     for kind, bits, in_f, gs in (("q4", 4, 704 * scale, 64), ("q8", 8, 352 * scale, 32),
-                                 ("q4", 4, 576 * scale, 96), ("q8", 8, 64, 32)):
-        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, bits, gs)
+                                 ("q4", 4, 576 * scale, 96), ("q8", 8, 64, 32), ("q4", 4, 176 * scale, 16)):
+        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, bits, gs)  # gs 16: f32 x
         cases.append((f"{kind} gs{gs} in{in_f}", kind, x_rows[:, :in_f].copy(),
-                      (codes, scales, biases), gs, x_rows[:, :in_f] @ deq[0].T))
+                      (codes, scales, biases), gs, affine_x_ref(x_rows[:, :in_f], gs) @ deq[0].T))
     dummy = np.zeros((1, 1, 1), np.float32)
     for kind, in_f in (("bf16", 176 * scale), ("f32", 88 * scale)):
         w = rng.standard_normal((1, out_f, in_f)).astype(np.float32)
@@ -258,7 +278,8 @@ def check_grouped_matmul(rng: np.random.Generator) -> None:
     ids = np.array([2, 0, 2, 1], np.int32)
     out = np.full((rows, out_f), np.nan, np.float32)
     launch.matmul("q4", x, codes, scales, biases, 32, ids, out, grouped=True)
-    ref = np.stack([deq[ids[r]] @ x[r].astype(np.float64) for r in range(rows)])
+    x_seen = affine_x_ref(x, 32)
+    ref = np.stack([deq[ids[r]] @ x_seen[r] for r in range(rows)])
     assert rel_err(out, ref) < 1e-5
     single = np.full((1, out_f), np.nan, np.float32)
     launch.matmul("q4", x[1:2], codes[:1], scales[:1], biases[:1], 32, ids, single, path="few")
@@ -515,7 +536,23 @@ def check_fused_layer_ops(rng: np.random.Generator) -> None:
         want = np.full((rows, inter), np.nan, np.float32)
         launch.silu_mul(np.ascontiguousarray(plain[:, :inter]), np.ascontiguousarray(plain[:, inter:]), want)
         assert np.array_equal(fused, want), path
+    _check_norm_quantize(rng)
     _check_attn_inputs(rng)
+
+
+def _check_norm_quantize(rng: np.random.Generator) -> None:
+    """rms_norm_quantize gives the bits of rms_norm, then quantize_rows (both byte orders)."""
+    from cuda_kernels import launch
+
+    x = rng.standard_normal((3, 320)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(320)).astype(np.float32)
+    normed = np.full_like(x, np.nan)
+    launch.rms_norm(x, w, np.float32(1e-6), normed)
+    for kind in ("q4", "q8"):
+        want_q, want_s = launch._quantize(kind, normed, None, None, None)
+        xq, xs = np.full(x.shape, 99, np.int8), np.full(want_s.shape, np.nan, np.float32)
+        launch.rms_norm_quantize(x, w, np.float32(1e-6), kind == "q4", xq, xs)
+        assert np.array_equal(xq, want_q) and np.array_equal(xs, want_s), kind
 
 
 def _check_attn_inputs(rng: np.random.Generator) -> None:
@@ -619,14 +656,37 @@ def check_cpu_twins(rng: np.random.Generator) -> None:
         launch.kv_write(k, v, dev, slots, np.float32(0.5), np.float32(0.25))
         cpu.kv_write(k, v, host, slots, 0.5, 0.25)
         assert np.array_equal(dev, host), dtype
-    x = rng.standard_normal((2, 128)).astype(np.float32)
-    codes, scales, biases, _ = affine_weight(rng, 1, 6, 128, 4, 32)
-    dev = np.full((2, 6), np.nan, np.float32)
-    host = np.full((2, 6), np.nan, np.float32)
-    launch.matmul("q4", x, codes, scales, biases, 32, np.zeros(1, np.int32), dev)
-    cpu.matmul_affine(x, codes[0], scales[0], biases[0], 4, 32, host)
-    assert rel_err(dev, host) < 1e-5
+    _check_cpu_int8_matmul(rng)
     _check_cpu_attention_and_route(rng)
+
+
+def _simulated() -> bool:
+    from cuda_kernels.env import SIMULATOR
+
+    return SIMULATOR
+
+
+def _check_cpu_int8_matmul(rng: np.random.Generator) -> None:
+    """The int8-activation matmul and its CPU twin: the same int8 x, scales and output bits
+    (q4 and q8, more chunks than lanes, a zero chunk, exact rounding ties)."""
+    from cuda_kernels import launch, qdot
+    from tf_async.backend.cpu import kernels as cpu
+
+    x = rng.standard_normal((2, 1152)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[1, :4] = [127.0, 0.5, -1.5, 2.5]  # amax 127: x * inv hits ties at .5
+    for kind, bits, gs in (("q4", 4, 64), ("q8", 8, 32)):
+        codes, scales, biases, _ = affine_weight(rng, 1, 6, x.shape[1], bits, gs)
+        xq_dev, xq_host = np.full(x.shape, 99, np.int8), np.full(x.shape, 99, np.int8)
+        xs_dev, xs_host = (np.full((2, 2 * x.shape[1] // 32), np.nan, np.float32) for _ in range(2))
+        dev, host = np.full((2, 6), np.nan, np.float32), np.full((2, 6), np.nan, np.float32)
+        launch.matmul(kind, x, codes, scales, biases, gs, np.zeros(1, np.int32), dev, xq=xq_dev, xs=xs_dev)
+        cpu.quantize_rows_int8(x, bits == 4, xq_host, xs_host)
+        cpu.matmul_affine_int8x(xq_host, xs_host, codes[0], scales[0], biases[0], bits, gs, host)
+        assert np.array_equal(xq_dev, xq_host) and np.array_equal(xs_dev, xs_host), kind
+        # The simulator's cuda.fma rounds twice: bits equal only on a GPU (test_gpu_kernels.py)
+        assert np.array_equal(dev, host) if not _simulated() else rel_err(dev, host) < 1e-6, kind
+        assert list(xq_host[1, [qdot.x_position(kind == "q4", j) for j in range(4)]]) == [127, 0, -2, 2], kind
 
 
 def _check_cpu_attention_and_route(rng: np.random.Generator) -> None:

@@ -4,7 +4,9 @@ invariance bit for bit (a row alone == the same row among others).
 
 Error bounds (relative Frobenius error against float64 on the same stored values):
 float32 arithmetic everywhere, so 2e-5 for matmuls and attention over thousands of terms and
-1e-5 for row-wise ops; KV conversions and token choices must match exactly.
+1e-5 for row-wise ops; KV conversions and token choices must match exactly. Affine matmuls
+multiply int8 x (cuda_kernels/qdot.py), so their references use that x: float64 of it, or
+CpuOps(int8_x=True) (the CPU twin of those numerics).
 """
 
 from __future__ import annotations
@@ -61,11 +63,36 @@ def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:
     parts = (codes, scales, biases)
     many = _matmul(ops, kind, x, parts, gs, path="many")
     few = _matmul(ops, kind, x, parts, gs, path="few")
-    assert ref.rel_err(many, x @ deq[0].T) < MATMUL_BOUND
+    assert ref.rel_err(many, ref.affine_x_ref(x, gs) @ deq[0].T) < MATMUL_BOUND
     assert np.array_equal(many, few), "few-rows and many-rows paths differ"
     for rows in (1, 3, 8, 20):
         part = _matmul(ops, kind, x[5 : 5 + rows], parts, gs)
         assert np.array_equal(part, many[5 : 5 + rows]), rows
+
+
+@pytest.mark.parametrize("kind,bits,gs", [("q4", 4, 64), ("q8", 8, 32)])
+def test_int8_x_matmul_equals_cpu_twin(ops, rng, kind, bits, gs) -> None:  # noqa: ANN001
+    """The int8-activation matmul gives its CPU twin's bits (tf_async/backend/cpu/kernels.py):
+    the same int8 x and chunk scales, the same outputs, on both paths."""
+    from cuda_kernels import launch
+    from tf_async.backend.cpu import kernels as cpu
+
+    rows, in_f, out_f = 5, 4096, 1000
+    codes, scales, biases, _ = ref.affine_weight(rng, 1, out_f, in_f, bits, gs)
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    xq_host, xs_host = np.empty((rows, in_f), np.int8), np.empty((rows, in_f // 16), np.float32)
+    host = np.full((rows, out_f), np.nan, np.float32)
+    cpu.quantize_rows_int8(x, bits == 4, xq_host, xs_host)
+    cpu.matmul_affine_int8x(xq_host, xs_host, codes[0], scales[0], biases[0], bits, gs, host)
+    parts = [ops._dev(ops.asarray(p)) for p in (x, codes, scales, biases)]
+    for path in ("few", "many"):
+        xq, xs = ops.xp.full((rows, in_f), 99, ops.xp.int8), _poisoned(ops, (rows, in_f // 16))
+        out = _poisoned(ops, (rows, out_f))
+        launch.matmul(kind, *parts, gs, ops._dev(ops._no_experts), ops._dev(out), ops._stream(), path=path,
+                      xq=ops._dev(xq), xs=ops._dev(xs))
+        ops.synchronize()
+        assert np.array_equal(ops.to_host(xq), xq_host) and np.array_equal(ops.to_host(xs), xs_host), path
+        assert np.array_equal(ops.to_host(out), host), path
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
@@ -88,7 +115,7 @@ def matmul_cases():  # noqa: ANN201
     return ref.matmul_cases(np.random.default_rng(), rows=37, out_f=4104, scale=16)
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_matmul_rows_paths_alignment_invariance(ops, matmul_cases, case) -> None:  # noqa: ANN001
     """Every kind at sizes ending in a partial step, a non-power-of-two group, a row shorter
     than a warp: float64 bound, and each row bit-identical across row counts, paths and
@@ -157,16 +184,20 @@ def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: A
     xp, gs = ops.xp, 64 if kind == "q4" else 1 << 30
     xs = {n: xp.random.standard_normal((rows, n), dtype=xp.float32) for _, n in QWEN3_8B_LAYER}
     outs = {n: xp.empty((rows, n), xp.float32) for n, _ in QWEN3_8B_LAYER}
+    scratch = {}  # int8 x for the affine kind: held for the graph's life, not per launch
+    for n in xs if kind == "q4" else ():
+        q_shape, s_shape = launch.quantize_scratch_shapes(rows, n)
+        scratch[n] = {"xq": ops._dev(xp.empty(q_shape, xp.int8)), "xs": ops._dev(xp.empty(s_shape, xp.float32))}
     stream = xp.cuda.Stream(non_blocking=False)
     with stream:
-        launches = [(ops._dev(xs[n_in]), [ops._dev(p) for p in parts], ops._dev(outs[n_out]))
+        launches = [(ops._dev(xs[n_in]), [ops._dev(p) for p in parts], ops._dev(outs[n_out]), scratch.get(n_in, {}))
                     for layer in layers
                     for (n_out, n_in), (parts, _) in zip(QWEN3_8B_LAYER, layer, strict=True)]
         experts = ops._dev(ops._no_experts)
 
     def record() -> None:
-        for x, parts, out in launches:
-            launch.matmul(kind, x, *parts, gs, experts, out, ops._stream())
+        for x, parts, out, kw in launches:
+            launch.matmul(kind, x, *parts, gs, experts, out, ops._stream(), **kw)
 
     return _replay_seconds(xp, stream, record, 5) / len(layers)
 
@@ -299,7 +330,7 @@ def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
     from tf_async.backend.cpu.ops import CpuOps
     from tf_async.models.weights import quantize_affine
 
-    cpu = CpuOps()
+    cpu = CpuOps(int8_x=True)
     w = quantize_affine(rng.standard_normal((512, 256)).astype(np.float32), 4, 64)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     dev_w = ops.upload_linear(w)
@@ -340,6 +371,12 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     want = ops.silu_mul(ops.linear(x, mats[3]), ops.linear(x, mats[4]))
     assert bool(xp.array_equal(ops.swiglu_linear(x, gate_up), want))
     qkv = ops.linear(x, qkv_w)
+    norm_w = ops.asarray((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    normed = ops.rms_norm_for(x, norm_w, 1e-6, qkv_w)  # one launch: rms_norm + int8 x
+    assert not isinstance(normed, type(x)), "q4 weights take int8 x"
+    assert bool(xp.array_equal(ops.linear(normed, qkv_w), ops.linear(ops.rms_norm(x, norm_w, 1e-6), qkv_w)))
+    assert bool(xp.array_equal(ops.swiglu_linear(ops.rms_norm_for(x, norm_w, 1e-6, gate_up), gate_up),
+                               ops.swiglu_linear(ops.rms_norm(x, norm_w, 1e-6), gate_up)))
     norms = [ops.asarray((1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2)]
     inv_freq = ops.asarray((1e6 ** (-np.arange(0, hd, 2) / hd)).astype(np.float32))
     pos = ops.asarray(rng.integers(0, 40000, rows).astype(np.int64))
@@ -401,7 +438,7 @@ def test_moe_against_cpu(ops, rng) -> None:  # noqa: ANN001
     from tf_async.backend.cpu.ops import CpuOps
     from tf_async.models.weights import DenseWeight, quantize_affine
 
-    cpu = CpuOps()
+    cpu = CpuOps(int8_x=True)
     hidden, inter, experts = 256, 128, 8
     router = DenseWeight(rng.standard_normal((experts, hidden)).astype(np.float32))
     gate, up = (quantize_affine(rng.standard_normal((experts, inter, hidden)).astype(np.float32), 4, 64)

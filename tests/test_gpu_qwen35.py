@@ -497,7 +497,7 @@ def test_hybrid_decoder_gpu_logits_close_to_cpu_and_batch_invariant(hybrids, nam
 
     ckpt = hybrids[name]
     streams = [(lane, list(ids)) for lane, ids in enumerate(STREAM_TOKENS)]
-    cpu = _run(make_decoder(ckpt, CpuOps(), num_lanes=3), streams)
+    cpu = _run(make_decoder(ckpt, CpuOps(int8_x=True), num_lanes=3), streams)  # the GPU's int8 x
     decoder = make_decoder(ckpt, CudaOps(), num_lanes=3)
     gpu = _run(decoder, streams)
     cpu_all, gpu_all = np.concatenate(cpu), np.concatenate(gpu)

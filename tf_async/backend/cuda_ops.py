@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,21 @@ def _load_cuda() -> tuple[Any, Any, Any]:
     return cupy, cuda, launch
 
 
+@dataclass(frozen=True, slots=True)
+class Int8Rows:
+    """Rows already in the form the int8-activation matmul multiplies (CudaOps.rms_norm_for):
+    int8 x [rows, K] in the byte order of `kind` ('q4' or 'q8') and its chunk scales
+    [rows, 2K/32] (cuda_kernels/qdot.py)."""
+
+    xq: Any
+    xs: Any
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.xq.shape)  # type: ignore[return-value]
+
+
 class CudaOps:
     """Ops on one GPU: CuPy arrays in and out, Numba CUDA kernels inside."""
 
@@ -197,11 +213,15 @@ class CudaOps:
 
     # ------------------------------------------------------------------ matmuls
     def linear(self, x: Any, w: Linear, bias: Any | None = None) -> Any:
-        """x [..., in] @ w.T (+ bias) -> [..., out_f]."""
-        check_array(x, "linear x", np.float32, xp=self.xp)
-        if x.ndim == 0 or x.shape[-1] != w.in_features:
-            raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features {w.in_features}")
-        rows = x.reshape(-1, w.in_features)
+        """x [..., in] @ w.T (+ bias) -> [..., out_f]; x may be Int8Rows [rows, in]."""
+        if isinstance(x, Int8Rows):
+            self._check_int8_rows(x, "linear x", x.shape[0], w)
+            rows: Any = x
+        else:
+            check_array(x, "linear x", np.float32, xp=self.xp)
+            if x.ndim == 0 or x.shape[-1] != w.in_features:
+                raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features {w.in_features}")
+            rows = x.reshape(-1, w.in_features)
         out = self.xp.empty((rows.shape[0], w.out_features), self.xp.float32)
         if rows.shape[0]:  # a round may want no logits (a prompt step): launch nothing
             self._matmul(rows, w, out, None)
@@ -210,6 +230,34 @@ class CudaOps:
             check_shape(bias, "linear bias", (w.out_features,))
             out += bias
         return out.reshape(*x.shape[:-1], w.out_features)
+
+    def _check_int8_rows(self, x: Int8Rows, name: str, rows: int, w: Linear) -> None:
+        check_array(x.xq, f"{name} (int8)", np.int8, 2, xp=self.xp)
+        check_array(x.xs, f"{name} (scales)", np.float32, 2, xp=self.xp)
+        check_shape(x.xq, f"{name} (int8)", (rows, w.in_features))
+        check_shape(x.xs, f"{name} (scales)", (rows, 2 * w.in_features // 32))
+        kind, words, _, _, group_size = self._weight_parts(w)
+        if kind != x.kind or not self._launch.uses_int8_x(kind, words.reshape(-1, *words.shape[-2:]), group_size):
+            raise BadInputError(f"{name}: int8 rows for {x.kind} weights, the weight is {kind} (or takes float32 x)")
+
+    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: Linear) -> Any:
+        """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
+        (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
+        else rms_norm's float32 rows. x [rows, dim]."""
+        kind, words, _, _, group_size = self._weight_parts(linear)
+        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
+            return self.rms_norm(x, w, eps)
+        xp = self.xp
+        check_array(x, "rms_norm x", np.float32, 2, xp=xp)
+        check_array(w, "rms_norm weight", np.float32, 1, xp=xp)
+        if x.shape[1] != w.shape[0] or w.shape[0] != linear.in_features:
+            raise BadInputError(f"rms_norm_for: x {x.shape}, weight {w.shape}, linear in_features {linear.in_features}")
+        q_shape, s_shape = self._launch.quantize_scratch_shapes(*x.shape)
+        out = Int8Rows(xp.empty(q_shape, xp.int8), xp.empty(s_shape, xp.float32), kind)
+        if x.shape[0]:
+            self._launch.rms_norm_quantize(self._dev(x), self._dev(w), np.float32(eps), kind == "q4",
+                                           self._dev(out.xq), self._dev(out.xs), self._stream())
+        return out
 
     def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None,
                 epilogue: str = "store") -> None:
@@ -223,9 +271,18 @@ class CudaOps:
             scales, biases = scales[None], biases[None]
         grouped = expert_ids is not None
         ids = expert_ids if grouped else self._no_experts
-        args = [self._dev(a) for a in (rows, words, scales, biases)]
+        if isinstance(rows, Int8Rows):  # checked by the caller (_check_int8_rows)
+            args = [None, *(self._dev(a) for a in (words, scales, biases))]
+            scratch: dict[str, Any] = {"xq": self._dev(rows.xq), "xs": self._dev(rows.xs), "x_ready": True}
+        elif self._launch.uses_int8_x(kind, words, group_size):  # x quantized to int8 first
+            args = [self._dev(a) for a in (rows, words, scales, biases)]
+            q_shape, s_shape = self._launch.quantize_scratch_shapes(*rows.shape)
+            scratch = {"xq": self._dev(self.xp.empty(q_shape, self.xp.int8)),
+                       "xs": self._dev(self.xp.empty(s_shape, self.xp.float32))}
+        else:
+            args, scratch = [self._dev(a) for a in (rows, words, scales, biases)], {}
         self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
-                            path=path, grouped=grouped, epilogue=epilogue)
+                            path=path, grouped=grouped, epilogue=epilogue, **scratch)
 
     # ------------------------------------------------------------------ fused layer ops
     # The decoder's fast path on this backend (Decoder checks `fused_layers`): one matmul for
@@ -259,9 +316,12 @@ class CudaOps:
 
     def linear_into(self, x: Any, w: Linear, out: Any) -> Any:
         """out += x @ w.T in place (out [rows, out_f]: a residual); the bits of out + linear(x, w)."""
-        check_array(x, "linear_into x", np.float32, 2, xp=self.xp)
         check_array(out, "linear_into out", np.float32, 2, xp=self.xp)
-        check_shape(x, "linear_into x", (out.shape[0], w.in_features))
+        if isinstance(x, Int8Rows):
+            self._check_int8_rows(x, "linear_into x", out.shape[0], w)
+        else:
+            check_array(x, "linear_into x", np.float32, 2, xp=self.xp)
+            check_shape(x, "linear_into x", (out.shape[0], w.in_features))
         check_shape(out, "linear_into out", (x.shape[0], w.out_features))
         if x.shape[0]:
             self._matmul(x, w, out, None, epilogue="add")
@@ -270,7 +330,10 @@ class CudaOps:
     def swiglu_linear(self, x: Any, gate_up: Linear) -> Any:
         """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (concat_linears); the bits of
         silu_mul(linear(x, gate), linear(x, up))."""
-        check_array(x, "swiglu_linear x", np.float32, 2, xp=self.xp)
+        if isinstance(x, Int8Rows):
+            self._check_int8_rows(x, "swiglu_linear x", x.shape[0], gate_up)
+        else:
+            check_array(x, "swiglu_linear x", np.float32, 2, xp=self.xp)
         if x.shape[1] != gate_up.in_features or gate_up.out_features % 2:
             raise BadInputError(f"swiglu_linear: x {x.shape}, weight {gate_up.out_features}x{gate_up.in_features}")
         out = self.xp.empty((x.shape[0], gate_up.out_features // 2), self.xp.float32)

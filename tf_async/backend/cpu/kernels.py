@@ -533,6 +533,81 @@ def matmul_affine(x, codes, scales, biases, bits, group_size, out):
         _affine_chunk(0, 1, x, xp, codes, scales, biases, bits, group_size, layout, out)
 
 
+# ------------------------------------------------------- matmul on int8 activations
+# The CPU twin of cuda_kernels/qdot.py (its docstring defines the numerics), in the GPU's
+# exact order: same bits. A reference for the GPU kernel's checks, not a fast path.
+_INT8_CHUNK = 32
+
+
+@njit(**_JIT)
+def int8_x_position(q4_order, j):
+    """Byte of element j of a chunk in a quantized row (cuda_kernels.qdot.x_position)."""
+    if q4_order:
+        return (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
+    return j
+
+
+@njit(**_JIT)
+def quantize_rows_int8(x, q4_order, xq, xs):
+    """x [rows, K] f32 -> xq [rows, K] int8 (chunks of 32, in int8_x_position order) and xs
+    [rows, 2K/32] f32: (d, d * sum(xi)) per chunk."""
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1] // _INT8_CHUNK):
+            base = c * _INT8_CHUNK
+            amax = _F32(0.0)
+            for j in range(_INT8_CHUNK):
+                amax = max(amax, abs(x[r, base + j]))
+            d = amax / _F32(127.0)
+            inv = _F32(127.0) / amax if amax > _F32(0.0) else _F32(0.0)
+            total = _F32(0.0)
+            for j in range(_INT8_CHUNK):
+                t = np.float64(x[r, base + j]) * np.float64(inv)  # exact; then nearest, ties even
+                q = _F32((t + 6755399441055744.0) - 6755399441055744.0)
+                q = min(max(q, _F32(-127.0)), _F32(127.0))
+                xq[r, base + int8_x_position(q4_order, j)] = np.int8(q)
+                total += q
+            xs[r, 2 * c] = d
+            xs[r, 2 * c + 1] = d * total
+
+
+@njit(**_JIT)
+def _int8_chunk_sum(xq_row, codes_row, bits, q4_order, c):
+    # sum over chunk c of code(k) * xi(k): exact
+    per_word = 32 // bits
+    mask = (1 << bits) - 1
+    isum = 0
+    for j in range(_INT8_CHUNK):
+        k = c * _INT8_CHUNK + j
+        q = (np.int64(codes_row[k // per_word]) >> (bits * (k % per_word))) & mask
+        isum += q * np.int64(xq_row[c * _INT8_CHUNK + int8_x_position(q4_order, j)])
+    return isum
+
+
+@njit(**_JIT)
+def matmul_affine_int8x(xq, xs, codes, scales, biases, bits, group_size, out):
+    """out [rows, out_f] = (x as quantize_rows_int8 left it) @ dequant(codes).T, with the GPU's
+    reduction order: lane l of 32 takes chunks l, l + 32, ... (acc = fma(s * d, isum, acc);
+    acc = fma(b, d * sum(xi), acc)), then the butterfly over lanes (16, 8, 4, 2, 1)."""
+    chunks = xq.shape[1] // _INT8_CHUNK
+    group_chunks = group_size // _INT8_CHUNK
+    lanes = np.empty(32, _F32)
+    for r in range(xq.shape[0]):
+        for o in range(codes.shape[0]):
+            for lane in range(32):
+                acc = _F32(0.0)
+                for c in range(lane, chunks, 32):
+                    isum = _int8_chunk_sum(xq[r], codes[o], bits, bits == 4, c)
+                    g = c // group_chunks
+                    acc = fma32(scales[o, g] * xs[r, 2 * c], _F32(isum), acc)
+                    acc = fma32(biases[o, g], xs[r, 2 * c + 1], acc)
+                lanes[lane] = acc
+            offset = 16
+            while offset > 0:
+                lanes = lanes + lanes[np.arange(32) ^ offset]
+                offset //= 2
+            out[r, o] = lanes[0]
+
+
 @njit(**_JIT)
 def _dense_chunk(chunk, num_chunks, x, w, out):
     per_block = _features_per_block(w.shape[1])

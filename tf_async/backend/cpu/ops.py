@@ -87,14 +87,22 @@ def _layer_scales(kv_scales: Any, kv: np.ndarray, layer: int) -> tuple[float, fl
     return float(kv_scales[layer, 0]), float(kv_scales[layer, 1])
 
 
+def _int8_x_fits(w: AffineWeight) -> bool:
+    """The rule of cuda_kernels.qdot.supports: whole chunks of 32 inside each scale group."""
+    return w.in_features % 32 == 0 and w.group_size % 32 == 0
+
+
 class CpuOps:
     """Ops on the CPU: NumPy arrays in and out, Numba kernels inside (docs/KERNELS.md)."""
 
     name = "cpu"
     xp = np
 
-    def __init__(self) -> None:
+    def __init__(self, int8_x: bool = False) -> None:
         self._checked: dict[int, Linear] = {}  # id -> uploaded weight (kept alive: no id reuse)
+        # int8_x: affine matmuls on int8 x, with the GPU's numerics and order (the CPU twin of
+        # cuda_kernels/qdot.py; a slow reference for checking the GPU backend). Off: float32 x.
+        self.int8_x = int8_x
 
     def asarray(self, array: np.ndarray) -> np.ndarray:
         """To the device: identity on the CPU."""
@@ -126,7 +134,12 @@ class CpuOps:
                              f"{w.in_features}")
         rows = x.reshape(-1, w.in_features)
         out = np.empty((rows.shape[0], w.out_features), np.float32)
-        if isinstance(w, AffineWeight):
+        if isinstance(w, AffineWeight) and self.int8_x and _int8_x_fits(w):
+            xq = np.empty(rows.shape, np.int8)
+            xs = np.empty((rows.shape[0], 2 * rows.shape[1] // 32), np.float32)
+            kernels.quantize_rows_int8(rows, w.bits == 4, xq, xs)
+            kernels.matmul_affine_int8x(xq, xs, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
+        elif isinstance(w, AffineWeight):
             kernels.matmul_affine(rows, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
         else:
             kernels.matmul_dense(rows, w.w, out)
