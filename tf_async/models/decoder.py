@@ -83,7 +83,7 @@ class Decoder:
     def _fused_layer(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
                      batch: ForwardBatch, kv: Array, kv_scales: Array) -> None:
         """One layer with the backend's fused ops (CudaOps.fused_layers): the bits of
-        _attention and _mlp, in 8 launches instead of 18 (rms_norm_for: a norm whose output
+        _attention and _mlp, in 8 ops instead of 18 (rms_norm_for: a norm whose output
         only a matmul on int8 x reads is written as that int8 x); h is updated in place."""
         ops: Any = self.ops
         cfg = self.config
