@@ -91,7 +91,10 @@ def quantize_scratch_shapes(rows: int, in_features: int) -> tuple[tuple[int, int
 
 def _quantize(kind, x, xq, xs, stream):  # noqa: ANN001, ANN202
     q_shape, s_shape = quantize_scratch_shapes(*x.shape)
-    if xq is None:  # NumPy under the simulator, else Numba device arrays
+    if (xq is None) != (xs is None):
+        raise ValueError("matmul int8 x scratch: pass both xq and xs, or neither")
+    if xq is None:  # NumPy under the simulator, else Numba device arrays (freed when the
+        # launch returns: a graph capture must pass scratch that outlives its replays)
         xq = _np.empty(q_shape, _np.int8) if _SIMULATOR else _cuda.device_array(q_shape, _np.int8, stream=stream or 0)
         xs = _np.empty(s_shape, _np.float32) if _SIMULATOR else _cuda.device_array(s_shape, _np.float32,
                                                                                   stream=stream or 0)
