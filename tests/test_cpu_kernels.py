@@ -53,6 +53,36 @@ def test_matmul_affine_matches_reference(bits: int, group_size: int) -> None:
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 96), (8, 32), (8, 128)])
+def test_int8_x_matmul_twin_matches_reference_and_is_batch_invariant(bits: int, group_size: int) -> None:
+    """CpuOps(int8_x=True), the CPU twin of the GPU's int8-x numerics (cuda_kernels/qdot.py):
+    its int8 x is float64's nearest integer of x * 127 / amax per chunk of 32 (a zero chunk,
+    ties), its output that x times the dequantized weight, every row alone == in the batch;
+    weights whose groups are not whole chunks keep float32 x."""
+    from tests.cuda_sim_check import int8_x_ref
+
+    rng = rng_for(bits * 1000 + group_size)
+    in_features = 5 * max(group_size, 64)
+    w = quantize_affine(randn(rng, 37, in_features), bits, group_size)
+    x = randn(rng, 6, in_features)
+    x[0, 32:64] = 0.0
+    x[1, :3] = [127.0, 0.5, -1.5]  # amax 127: x * inv lands on ties
+    ops = CpuOps(int8_x=True)
+    xq, xs = np.empty(x.shape, np.int8), np.empty((6, in_features // 16), np.float32)
+    kernels.quantize_rows_int8(x, bits == 4, xq, xs)
+    order = [kernels.int8_x_position(bits == 4, j) for j in range(32)]
+    levels = xq.reshape(6, -1, 32)[:, :, order].reshape(6, -1).astype(np.float64)
+    d = np.repeat(xs[:, 0::2].astype(np.float64), 32, axis=1)
+    np.testing.assert_array_equal(levels * d, int8_x_ref(x))
+    out = ops.linear(x, w)
+    ref = int8_x_ref(x) @ w.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
+    assert_batch_invariant(lambda rows: ops.linear(x[rows], w), 6)
+    odd = quantize_affine(randn(rng, 5, 48), bits, 16)  # groups of 16: float32 x
+    x48 = np.ascontiguousarray(x[:, :48])
+    np.testing.assert_array_equal(ops.linear(x48, odd), OPS.linear(x48, odd))
+
+
 def test_matmul_dense_and_bias_match_reference() -> None:
     rng = rng_for(1)
     w, bias, x = randn(rng, 33, 70), randn(rng, 33), randn(rng, 2, 3, 70)
