@@ -1,7 +1,9 @@
 """Matmul launch variants on the GPU (none changes a row's bits): which `Variant` (warps per
 block, features per warp, words in flight) streams the weights of each Qwen3-8B-shaped linear
 fastest at 1 and 8 rows, 4-bit affine (group 64) and bf16. Also the cost of one launch in a
-CUDA graph (a graph of back-to-back tiny launches).
+CUDA graph (a graph of back-to-back tiny launches). Its 4-bit figures are of the float32-x
+kernel (cuda_kernels/matmul.py), which the engine now runs only for affine weights that do
+not take int8 x; benchmarks/bench_qdot.py measures the int8-x kernel the others run.
 
 Each figure: one CUDA graph holding one launch per weight copy, enough copies to be several
 times the L2 (so the weights come from HBM), replayed 10 times, timed with events; TB/s =

@@ -18,14 +18,15 @@ from bench_matmul_variants import SHAPES, time_variant, weight_copies
 from graph_timing import graph_seconds
 
 
-def qdot_variants(rows: int) -> list:  # noqa: ANN201
+def qdot_variants(rows: int, out_f: int) -> list:  # noqa: ANN201
+    """The planned variant of this shape first, then the candidates."""
     from cuda_kernels import matmul as mm
     from cuda_kernels import qdot
 
     if rows > 2:
-        return [qdot.plan(rows, 4096, "many"), mm.Variant(4, 4, 1, True), mm.Variant(8, 2, 1, True),
-                mm.Variant(8, 4, 1, True, 8)]
-    out = [qdot.plan(rows, 4096, "few")]
+        return [qdot.plan(rows, out_f, "many"), mm.Variant(4, 4, 1, True), mm.Variant(8, 4, 1, True),
+                mm.Variant(8, 2, 1, True), mm.Variant(8, 4, 1, True, 8)]
+    out = [qdot.plan(rows, out_f, "few")]
     for warps, feats, unroll in ((4, 1, 4), (4, 2, 1), (4, 2, 4), (4, 4, 1), (4, 4, 2), (8, 2, 2), (8, 1, 4)):
         out.append(mm.Variant(rows, feats, unroll, True, warps))
     return out
@@ -113,7 +114,7 @@ def main() -> None:
             path = "few" if rows <= mm.FEW_ROWS_MAX else "many"
             base = time_variant(cp, cuda, "q4", mm.plan(rows, out_f, path, True), copies, rows, in_f, out_f)
             results = []
-            for variant in qdot_variants(rows):
+            for variant in qdot_variants(rows, out_f):
                 total, quant, _ = time_qdot(cp, cuda, variant, copies, x, out_f)
                 results.append((total - quant, quant, variant))
                 print(f"  {name:8} rows={rows:2d} f32-x {base * 1e6:7.1f} us  qdot "

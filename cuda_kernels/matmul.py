@@ -1,5 +1,7 @@
-"""Matmuls out = x @ W.T for dense f32, dense bf16 (uint16 bits) and affine 4/8-bit weights,
-plus the affine embedding gather.
+"""Matmuls out = x @ W.T for dense f32, dense bf16 (uint16 bits) and affine 4/8-bit weights
+on float32 x, plus the affine embedding gather. (Affine weights whose scale groups are whole
+chunks of 32 multiply int8 x instead: cuda_kernels/qdot.py, chosen per weight by
+launch.uses_int8_x; this module's affine kernels serve the others.)
 
 Weights are read as 32-bit words: f32 (1 value a word), bf16 (2: element 2w in the low
 half), affine 4-bit (8 codes, LSB first) and 8-bit (4 codes). Every array carries a leading
