@@ -150,6 +150,9 @@ def _decode_rounds(decoder: Decoder, arena, prompts: list[list[int]], num_rounds
                        **geometry)
         logits, _ = decoder.forward(batch, arena.kv, arena.kv_scales)
         seen.append(ops.to_host(logits))
+        greedy = getattr(decoder, "argmax_of", lambda _: None)(logits)
+        if greedy is not None:  # a replay: the graph's argmax is ops.argmax of its logits
+            assert np.array_equal(ops.to_host(greedy), ops.to_host(ops.argmax(logits)))
         pos = [p + 1 for p in pos]
     return seen
 

@@ -21,6 +21,10 @@ the round itself runs the forward inside `ops.unchecked()` (the engine's runner 
 then nothing is checked twice.
 
     round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
+
+The graph also holds the greedy token of every logit row (ops.argmax, the launch the runner
+would make next): `argmax_of(logits)` hands them out for the logits of the latest replay, so
+a greedy round makes no launch of its own outside the graph (each costs ~50 us of host time).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class _Captured:
     graph: Any = None
     logits: Array = None
     hidden: Array = None
+    greedy: Array = None  # ops.argmax(logits), in the graph
 
 
 class GraphDecoder:
@@ -63,12 +68,21 @@ class GraphDecoder:
         self.max_rows = max_rows
         self._graphs: dict[tuple[int, ...], _Captured] = {}
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
+        self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.decoder, name)  # inv_freq, mscale, sm_scale, ...
 
+    def argmax_of(self, logits: Array) -> Array | None:
+        """ops.argmax(logits), computed inside the graph, when `logits` is the very array the
+        latest replay returned; else None (the caller launches it)."""
+        if self._greedy is not None and self._greedy[0] is logits:
+            return self._greedy[1]
+        return None
+
     def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
+        self._greedy = None
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)
@@ -102,7 +116,9 @@ class GraphDecoder:
         caller.wait_event(cap.stream.record())
         self.num_replays += 1
         # The graph's buffers are reused next round: the caller gets copies.
-        return _copied(xp, cap.logits), _copied(xp, cap.hidden)
+        logits = _copied(xp, cap.logits)
+        self._greedy = (logits, _copied(xp, cap.greedy))
+        return logits, _copied(xp, cap.hidden)
 
     def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array
                  ) -> tuple[_Captured, tuple[Array, Array]]:
@@ -122,6 +138,7 @@ class GraphDecoder:
             cap.stream.begin_capture(mode=_relaxed(xp))
             try:
                 cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
+                cap.greedy = self.ops.argmax(cap.logits)  # type: ignore[attr-defined]
             finally:
                 cap.graph = cap.stream.end_capture()
         caller.wait_event(cap.stream.record())
