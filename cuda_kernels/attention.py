@@ -45,7 +45,7 @@ import numpy as np
 
 from cuda_kernels import qdot as _qd
 from cuda_kernels.convert import from_bf16_bits, from_e4m3
-from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda
+from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda, kernel
 
 ATTN_THREADS = 64 if SIMULATOR else 256  # the block shape never changes a row
 ATTN_WARPS = ATTN_THREADS // 32
@@ -247,10 +247,10 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
 
     # At most 128 registers: two blocks of ATTN_THREADS a multiprocessor instead of one (143
     # uncapped; ptxas spills 16 bytes at 128).
-    jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=PARTIAL_MAX_REGISTERS)
+    jit = kernel if SIMULATOR else kernel(max_registers=PARTIAL_MAX_REGISTERS)
 
     @jit
-    def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
+    def partial_kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
         qs = cuda.shared.array((heads_blk, max_hd), np.float32)
         ps = cuda.shared.array((heads_blk, key_tile), np.float32)
@@ -343,7 +343,7 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
                 scratch[row, head0 + warp, chunk, hd] = m_run
                 scratch[row, head0 + warp, chunk, hd + 1] = l_run
 
-    return kernel
+    return partial_kernel
 
 
 @cuda.jit(device=True)
@@ -377,14 +377,14 @@ def _combine(row_pos, scratch, out, vals):  # noqa: ANN001, ANN202
         vals[0, d] = value
 
 
-@cuda.jit
+@kernel
 def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
     """out[row, head] from the row's chunk partials, chunks ascending (module docstring)."""
     vals = cuda.shared.array((1, MAX_HEAD_DIM), np.float32)
     _combine(row_pos, scratch, out, vals)
 
 
-@cuda.jit
+@kernel
 def combine_quantize_kernel(row_pos, scratch, out, q4_order, xq, xs):  # noqa: ANN001
     """combine_kernel, and the head's values also written as int8 x: the bits of
     qdot.quantize_rows of out's rows [rows, nh * hd] (head_dim a multiple of qdot.CHUNK)."""

@@ -22,6 +22,11 @@ then nothing is checked twice.
 
     round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
 
+Where the GPU (Hopper or later) and its driver allow, the kernel-to-kernel edges of the graph
+are programmatic (cuda_kernels/graphs.py): each kernel is launched while the one before it
+finishes and waits on the device before it reads anything, so the same kernels run in the
+same order, with less time between them.
+
 The graph also holds the greedy token of every logit row (ops.argmax, the launch the runner
 would make next): `argmax_of(logits)` hands them out for the logits of the latest replay, so
 a greedy round makes no launch of its own outside the graph (each costs ~50 us of host time).
@@ -58,7 +63,7 @@ class _Captured:
 class GraphDecoder:
     """Same interface as Decoder (config, ops, weights, forward); wraps one Decoder on CudaOps."""
 
-    def __init__(self, decoder: Decoder, *, max_rows: int = 64):
+    def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True):
         if decoder.ops.name != "cuda":
             raise BadInputError("CUDA graphs need the cuda device", param="device")
         self.decoder = decoder
@@ -66,6 +71,9 @@ class GraphDecoder:
         self.ops = decoder.ops
         self.weights = decoder.weights
         self.max_rows = max_rows
+        # Programmatic edges between the round's kernels where the GPU and driver allow
+        # (cuda_kernels/graphs.py): the same kernels in the same order, launched sooner.
+        self.programmatic = programmatic
         self._graphs: dict[tuple[int, ...], _Captured] = {}
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
@@ -135,12 +143,21 @@ class GraphDecoder:
             _load(xp, cap, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())
-            cap.stream.begin_capture(mode=_relaxed(xp))
-            try:
+
+            def record() -> None:
                 cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
                 cap.greedy = self.ops.argmax(cap.logits)  # type: ignore[attr-defined]
-            finally:
-                cap.graph = cap.stream.end_capture()
+
+            if self.programmatic:
+                from cuda_kernels.graphs import capture_programmatic
+
+                cap.graph = capture_programmatic(cap.stream, record)
+            if cap.graph is None:
+                cap.stream.begin_capture(mode=_relaxed(xp))
+                try:
+                    record()
+                finally:
+                    cap.graph = cap.stream.end_capture()
         caller.wait_event(cap.stream.record())
         return cap, outputs
 
