@@ -129,13 +129,17 @@ def _make_programmatic(graph: ctypes.c_void_p) -> int:
     pairs = [(src[i], dst[i]) for i in range(n)
              if data[i].type == 0 and data[i].from_port == 0
              and _is_ours(src[i], ours) and _is_ours(dst[i], ours)]
+    made = 0
     for a, b in pairs:
         one_src, one_dst = (ctypes.c_void_p * 1)(a), (ctypes.c_void_p * 1)(b)
         _call("cuGraphRemoveDependencies_v2", graph, one_src, one_dst, None, ctypes.c_size_t(1))
         edge = (_EdgeData * 1)()
         edge[0].from_port, edge[0].type = _PORT_PROGRAMMATIC, _DEPENDENCY_PROGRAMMATIC
-        _call("cuGraphAddDependencies_v2", graph, one_src, one_dst, edge, ctypes.c_size_t(1))
-    return len(pairs)
+        if _driver().cuGraphAddDependencies_v2(graph, one_src, one_dst, edge, ctypes.c_size_t(1)) == 0:
+            made += 1
+        else:  # refused: the ordinary edge back (the graph stays whole)
+            _call("cuGraphAddDependencies_v2", graph, one_src, one_dst, None, ctypes.c_size_t(1))
+    return made
 
 
 def _is_ours(node: int | None, seen: dict[int, bool]) -> bool:
