@@ -38,7 +38,7 @@ def _grid_1d(total: int, threads: int) -> int:
 
 
 def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: ANN001, E501
-           epilogue="store", xq=None, xs=None, x_ready=False, out_int8=None) -> None:
+           epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
     placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
@@ -46,10 +46,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
     (scratch; None: allocated here), then the qdot kernel. x_ready: xq and xs already hold x
-    (rms_norm_quantize wrote them; x is not read and may be None). out_int8 = (counters,
-    q4_order, oq, os): the launch also writes out's rows as int8 x (quantize_rows' bits; oq
-    [rows, out_f] int8, os [rows, 2 * out_f / 32] f32, counters int32 [>= rows, out_f / 32]
-    all zero, left zero); only where matmul_quantizes_output() says so."""
+    (rms_norm_quantize wrote them; x is not read and may be None)."""
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
@@ -63,13 +60,10 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
         variant = _qd.plan(rows, w.shape[1], path, grouped)
-        kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue, out_int8 is not None)
+        kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
         grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
-        extra = () if out_int8 is None else _out_int8_args(out_int8, out, variant, epilogue)
-        _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, expert_ids, out, *extra)
+        _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, expert_ids, out)
         return
-    if out_int8 is not None:
-        raise ValueError("matmul: int8 output needs a weight that takes int8 x")
     align = 4 * _mm.X_BATCH[kind]  # vector loads of x need every row start aligned
     vec_x = _address(x) % align == 0 and x.strides[0] % align == 0
     variant = _mm.plan(rows, w.shape[1], path, vec_x, grouped)
@@ -77,29 +71,6 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     kernel = _mm.matmul_kernel(kind, variant, group_words, grouped, epilogue)
     grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
-
-
-def matmul_quantizes_output(kind, w, group_size, rows, out_features, epilogue="store", grouped=False) -> bool:  # noqa: ANN001, E501
-    """Whether matmul(..., out_int8=...) serves this launch (its int8-x kernel, its plan's
-    blocks inside chunks of 32 outputs, whole chunks)."""
-    if grouped or not uses_int8_x(kind, w, group_size):
-        return False
-    path = "few" if rows <= _mm.FEW_ROWS_MAX else "many"
-    return _qd.quantizes_output(_qd.plan(rows, w.shape[1], path), epilogue, out_features)
-
-
-def _out_int8_args(out_int8, out, variant, epilogue) -> tuple:  # noqa: ANN001
-    counters, q4_order, oq, os = out_int8
-    rows, out_features = out.shape
-    q_shape, s_shape = quantize_scratch_shapes(rows, out_features)
-    if not _qd.quantizes_output(variant, epilogue, out_features):
-        raise ValueError(f"matmul int8 output: the plan's blocks do not fit chunks of {_qd.CHUNK} outputs")
-    if tuple(oq.shape) != q_shape or tuple(os.shape) != s_shape:
-        raise ValueError(f"matmul int8 output: expected {q_shape} and {s_shape}, got {oq.shape} and {os.shape}")
-    if counters.dtype != _np.int32 or counters.shape[0] < rows or counters.shape[1] != out_features // _qd.CHUNK:
-        raise ValueError(f"matmul int8 output counters: expected int32 [>= {rows}, {out_features // _qd.CHUNK}], "
-                         f"got {counters.dtype} {tuple(counters.shape)}")
-    return counters, bool(q4_order), oq, os
 
 
 def uses_int8_x(kind, w, group_size) -> bool:  # noqa: ANN001
@@ -154,15 +125,12 @@ def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_widt
 
 
 def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: ANN001, E501
-              *, scratch=None, int8_out=None) -> None:
+              *, scratch=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
     kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
     (cuda_kernels/attention.py). scratch: float32 of attention.scratch_shape(rows, num_heads,
-    head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here).
-    int8_out = (q4_order, xq, xs): the combine also writes out's rows [rows, nh * hd] as int8 x
-    (qdot.quantize_rows' bits; xq int8 [rows, nh * hd], xs f32 [rows, 2 * nh * hd / 32]; head_dim
-    a multiple of 32). Rows run in slices of scratch.shape[0]; the grid depends only on shapes,
-    never on row_pos."""
+    head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here). Rows
+    run in slices of scratch.shape[0]; the grid depends only on shapes, never on row_pos."""
     rows, num_heads, head_dim = q.shape
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
@@ -174,11 +142,6 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     if tuple(scratch.shape[1:]) != shape[1:] or scratch.shape[0] < 1 or scratch.dtype != _np.float32:
         raise ValueError(f"attention scratch: expected float32 [n, {', '.join(map(str, shape[1:]))}], "
                          f"got {scratch.dtype} {tuple(scratch.shape)}")
-    if int8_out is not None:
-        q_shape, s_shape = quantize_scratch_shapes(rows, num_heads * head_dim)
-        if head_dim % _qd.CHUNK or tuple(int8_out[1].shape) != q_shape or tuple(int8_out[2].shape) != s_shape:
-            raise ValueError(f"attention int8 output: head_dim {head_dim} (a multiple of {_qd.CHUNK}), expected "
-                             f"{q_shape} and {s_shape}, got {int8_out[1].shape} and {int8_out[2].shape}")
     step = scratch.shape[0]
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
@@ -186,13 +149,7 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
         grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
         args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
         _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, scratch)
-        combine = (pos, scratch, out[r0 : r0 + n])
-        if int8_out is None:
-            _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, *combine)
-        else:
-            q4_order, xq, xs = int8_out
-            _go(_attn.combine_quantize_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, *combine,
-                bool(q4_order), xq[r0 : r0 + n], xs[r0 : r0 + n])
+        _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, pos, scratch, out[r0 : r0 + n])
 
 
 def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # noqa: ANN001

@@ -93,10 +93,6 @@ if SIMULATOR:
         return row[i], row[i + 1], row[i + 2], row[i + 3]
 
     @cuda.jit(device=True)
-    def _ld_cg_f32(row, i):  # noqa: ANN001, ANN202
-        return np.float32(row[i])
-
-    @cuda.jit(device=True)
     def _ld_f32x2(row, i):  # noqa: ANN001, ANN202
         return row[i], row[i + 1]
 
@@ -193,9 +189,6 @@ else:
     _ld_f32x2 = _asm_load("ld.global.nc.v2.f32", 2, "f", types.UniTuple(types.float32, 2))
     _ld_u32x4 = _asm_load("ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))
     _ld_x_u32x4 = _asm_load("ld.global.nc.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))  # through L1
-    # Values other blocks of the same launch wrote (after their fence): at L2, never through
-    # L1 or the read-only path, whose lines are not kept coherent within a launch.
-    _ld_cg_f32 = _asm_load("ld.global.cg.f32", 1, "f", types.float32)
 
     @intrinsic
     def _dp4a(typingctx, a, b, c):  # noqa: ANN001, ANN202

@@ -154,30 +154,6 @@ else:
         _quantize_warp((x[row, i] * inv_rms) * w[i], lane, chunk, chunks, row, q4_order, xq, xs)
 
 
-if SIMULATOR:
-
-    @cuda.jit(device=True)
-    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
-        # Chunks chunk0 .. chunk0 + count - 1 of the row from the block's own values (shared):
-        # value i is vals[i // width, i % width]. One thread a chunk (the simulator's form)
-        chunk_vals = cuda.local.array(CHUNK, np.float32)
-        for c in range(cuda.threadIdx.x, count, cuda.blockDim.x):
-            for j in range(CHUNK):
-                i = c * CHUNK + j
-                chunk_vals[j] = vals[i // width, i % width]
-            _quantize_serial(chunk_vals, row, chunk0 + c, q4_order, xq, xs)
-
-else:
-
-    @cuda.jit(device=True)
-    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
-        # As above, one warp a chunk (every thread of the block calls; the bits of quantize_rows)
-        lane, warps = cuda.threadIdx.x % 32, cuda.blockDim.x // 32
-        for c in range(cuda.threadIdx.x // 32, count, warps):
-            i = c * CHUNK + lane
-            _quantize_warp(vals[i // width, i % width], lane, chunk0 + c, chunk0 + count, row, q4_order, xq, xs)
-
-
 def quantize_shape(rows: int, in_features: int, norm: bool = False) -> tuple[tuple[int, int], int]:
     """(grid, block) of quantize_rows, or of rms_norm_quantize (norm: NORM_THREADS a block,
     the threads of rms_norm's reduction)."""
@@ -237,8 +213,7 @@ def _make_chunk_math(kind: str, variant: mm.Variant, group_chunks: int):  # noqa
     return chunk_math
 
 
-def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str,  # noqa: ANN202
-                 quantize: bool):
+def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str):  # noqa: ANN202
     rows_tile, feats, unroll, warps = variant.rows_tile, variant.feats, variant.unroll, variant.warps
     wpc = WORDS_PER_CHUNK[kind]
     outs = feats // 2 if epilogue == "swiglu" else feats
@@ -247,8 +222,8 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
     fetch, chunk_math = _make_fetch(kind, variant), _make_chunk_math(kind, variant, group_chunks)
     prefetch_scales, store = mm._make_prefetch_scales(feats), mm._make_store(variant, epilogue)
 
-    @cuda.jit(device=True)
-    def body(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
+    @kernel
+    def qdot_k(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
         # w: [E, out_f, K * bits / 32] u32; scales/biases: [E, out_f, groups] f32;
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32.
@@ -285,87 +260,25 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
             c += 32 * unroll
         store(acc, row0, feat0, lane, out)
 
-    if not quantize:
-
-        @kernel
-        def qdot_k(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
-            body(xq, xs, w, scales, biases, expert_ids, out)
-
-        return qdot_k
-    quantize_out = _make_quantize_out(variant, outs)
-
-    @kernel
-    def kernel_q(xq, xs, w, scales, biases, expert_ids, out, counters, q4_order, oq, os):  # noqa: ANN001, ANN202
-        # ... and out's rows as int8 x (oq, os: quantize_rows' bits): the block that stores a
-        # chunk of 32 outputs last quantizes it; counters [rows, out_f / 32] i32, left at 0.
-        body(xq, xs, w, scales, biases, expert_ids, out)
-        quantize_out(out, counters, q4_order, oq, os)
-
-    return kernel_q
+    return qdot_k
 
 
-def _make_quantize_out(variant: mm.Variant, outs: int):  # noqa: ANN202
-    rows_tile, warps = variant.rows_tile, variant.warps
-    per_block = warps * outs  # outputs a block stores, in one chunk (32 % per_block == 0)
-    blocks_per_chunk = CHUNK // per_block
-
-    @cuda.jit(device=True)
-    def quantize_out(out, counters, q4_order, oq, os):  # noqa: ANN001, ANN202
-        last = cuda.shared.array(rows_tile, np.int32)
-        tid, lane = cuda.threadIdx.x, cuda.threadIdx.x % 32
-        chunk = cuda.blockIdx.y * per_block // CHUNK
-        row0 = cuda.blockIdx.x * rows_tile
-        cuda.threadfence()  # this block's outputs, before its count
-        cuda.syncthreads()
-        for r in range(tid, rows_tile, cuda.blockDim.x):
-            last[r] = 0
-            if row0 + r < out.shape[0]:
-                before = cuda.atomic.add(counters, (row0 + r, chunk), 1)
-                last[r] = 1 if before == blocks_per_chunk - 1 else 0
-        cuda.syncthreads()
-        for r in range(tid // 32, rows_tile, warps):  # a warp a row, uniform flow
-            if last[r] != 0:
-                row = row0 + r
-                if lane == 0:
-                    counters[row, chunk] = 0  # for the next launch
-                if SIMULATOR:
-                    if lane == 0:
-                        vals = cuda.local.array(CHUNK, np.float32)
-                        for j in range(CHUNK):
-                            vals[j] = out[row, chunk * CHUNK + j]
-                        _quantize_serial(vals, row, chunk, q4_order, oq, os)
-                else:
-                    v = mm._ld_cg_f32(mm._row2(out, row), chunk * CHUNK + lane)
-                    _quantize_warp(v, lane, chunk, chunk + 1, row, q4_order, oq, os)
-
-    return quantize_out
-
-
-_KERNELS: dict[tuple[str, mm.Variant, int, bool, str, bool], object] = {}
-
-
-def quantizes_output(variant: mm.Variant, epilogue: str, out_features: int) -> bool:
-    """Whether a launch of `variant` can also write its output rows as int8 x: every block's
-    outputs inside one chunk of 32, and whole chunks."""
-    per_block = variant.warps * (variant.feats // 2 if epilogue == "swiglu" else variant.feats)
-    return CHUNK % per_block == 0 and out_features % CHUNK == 0
+_KERNELS: dict[tuple[str, mm.Variant, int, bool, str], object] = {}
 
 
 def qdot_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool = False,  # noqa: ANN201
-                epilogue: str = "store", quantize: bool = False):
+                epilogue: str = "store"):
     """The kernel for affine `kind` ('q4', 'q8') and `variant`; group_chunks: chunks of 32
-    per scale group (a compile-time constant). As matmul.matmul_kernel otherwise. quantize:
-    the kernel takes (counters, q4_order, oq, os) after `out` and also writes out's rows as
-    int8 x (quantize_rows' bits; quantizes_output must hold)."""
+    per scale group (a compile-time constant). As matmul.matmul_kernel otherwise."""
     if kind not in WORDS_PER_CHUNK or group_chunks < 1:
         raise ValueError(f"qdot: kind {kind!r}, {group_chunks} chunks a group")
     if grouped and variant.rows_tile != 1:
         raise ValueError("grouped (MoE) matmul runs one row per block")
     if epilogue not in mm.EPILOGUES or (epilogue == "swiglu" and variant.feats % 2):
         raise ValueError(f"matmul epilogue {epilogue!r} with {variant.feats} features a warp")
-    key = (kind, variant, group_chunks, grouped, epilogue, quantize)
+    key = (kind, variant, group_chunks, grouped, epilogue)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, grouped, epilogue, quantize)
+        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, grouped, epilogue)
     return _KERNELS[key]
 
 

@@ -393,22 +393,6 @@ def _check_attention_prompt(rng: np.random.Generator) -> None:
         solo = _attend(q[r : r + 1], kv_layer, (0.01, 0.02), block_table, row_seq[:1], row_pos[r : r + 1],
                        page_size, 0.2)
         assert np.array_equal(solo[0], out[r]), "prompt row depends on the other rows"
-        _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
-
-
-def _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:  # noqa: ANN001
-    """The launch that also writes its rows as int8 x: the same float32 rows and the bits of
-    quantize_rows of them."""
-    from cuda_kernels import launch
-
-    rows, width = q.shape[0], q.shape[1] * q.shape[2]
-    xq, xs = np.full((rows, width), 77, np.int8), np.full((rows, 2 * width // 32), np.nan, np.float32)
-    fused = _attend(q, kv_layer, (0.01, 0.02), block_table, row_seq, row_pos, page_size, 0.2,
-                    int8_out=(True, xq, xs))
-    assert np.array_equal(fused, out), "attention with int8 output changed its float32 rows"
-    ref_q, ref_s = launch._quantize("q4", out.reshape(rows, width), None, None, None)
-    assert np.array_equal(xq, ref_q) and np.array_equal(xs.view(np.uint32), ref_s.view(np.uint32)), \
-        "attention's int8 output differs from quantize_rows of its rows"
 
 
 def check_attention_wide_heads(rng: np.random.Generator) -> None:
@@ -552,32 +536,8 @@ def check_fused_layer_ops(rng: np.random.Generator) -> None:
         want = np.full((rows, inter), np.nan, np.float32)
         launch.silu_mul(np.ascontiguousarray(plain[:, :inter]), np.ascontiguousarray(plain[:, inter:]), want)
         assert np.array_equal(fused, want), path
-    _check_swiglu_quantize(rng)
     _check_norm_quantize(rng)
     _check_attn_inputs(rng)
-
-
-def _check_swiglu_quantize(rng: np.random.Generator) -> None:
-    """gate|up with its output also written as int8 x (the block that stores a chunk last
-    quantizes it): the same float32 rows, quantize_rows' bits, counters left at zero."""
-    from cuda_kernels import launch
-
-    rows, in_f, inter = 3, 128, 64
-    x = rng.standard_normal((rows, in_f)).astype(np.float32)
-    placeholder = np.zeros(1, np.int32)
-    codes, scales, biases, _ = affine_weight(rng, 1, 2 * inter, in_f, 4, 64)
-    for path in ("few", "many"):
-        plain = np.full((rows, inter), np.nan, np.float32)
-        launch.matmul("q4", x, codes, scales, biases, 64, placeholder, plain, path=path, epilogue="swiglu")
-        want_q, want_s = launch._quantize("q8", plain, None, None, None)
-        out = np.full_like(plain, np.nan)
-        oq, os = np.full(want_q.shape, 99, np.int8), np.full(want_s.shape, np.nan, np.float32)
-        counters = np.zeros((rows + 1, inter // 32), np.int32)
-        launch.matmul("q4", x, codes, scales, biases, 64, placeholder, out, path=path, epilogue="swiglu",
-                      out_int8=(counters, False, oq, os))
-        assert np.array_equal(out, plain), path
-        assert np.array_equal(oq, want_q) and np.array_equal(os, want_s), path
-        assert not counters.any(), path
 
 
 def _check_norm_quantize(rng: np.random.Generator) -> None:

@@ -394,56 +394,6 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     assert bool(xp.array_equal(kv_got.view(xp.uint8), kv_want.view(xp.uint8)))
 
 
-def _int8_bits(ops, rows_f32, kind):  # noqa: ANN001, ANN202
-    """quantize_rows of float32 rows on the CPU twin: (xq, xs) as NumPy."""
-    from tf_async.backend.cpu import kernels as cpu
-
-    host = ops.to_host(rows_f32)
-    xq = np.empty(host.shape, np.int8)
-    xs = np.empty((host.shape[0], 2 * host.shape[1] // 32), np.float32)
-    cpu.quantize_rows_int8(host, kind == "q4", xq, xs)
-    return xq, xs
-
-
-@pytest.mark.parametrize("rows", [1, 2, 5, 64])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_outputs_written_as_int8_x(ops, rng, rows, bits) -> None:  # noqa: ANN001
-    """attention_for and swiglu_linear_for (the launch that makes the rows also writes their
-    int8 x) give the bits of quantize_rows of the float32 op (Qwen3-8B sizes, fresh inputs,
-    poisoned outputs), and leave the kernel counters at zero."""
-    from tf_async.backend.cuda_ops import Int8Rows
-    from tf_async.models.weights import quantize_affine
-
-    nh, nkv, hd, hidden, inter, page = 32, 8, 128, 4096, 12288, 16
-    xp = ops.xp
-    def weight(out_f, in_f):  # noqa: ANN001, ANN202
-        return ops.upload_linear(quantize_affine(rng.standard_normal((out_f, in_f)).astype(np.float32), bits, 64))
-    o_w, down = weight(hidden, nh * hd), weight(hidden, inter)
-    gate_up, _ = ops.concat_linears([weight(inter, hidden), weight(inter, hidden)])
-    kind = "q4" if bits == 4 else "q8"
-    x = ops.asarray(rng.standard_normal((rows, hidden)).astype(np.float32))
-    fused = ops.swiglu_linear_for(x, gate_up, down)
-    plain = ops.swiglu_linear(x, gate_up)
-    assert isinstance(fused, Int8Rows) and fused.kind == kind
-    want_q, want_s = _int8_bits(ops, plain, kind)
-    assert np.array_equal(ops.to_host(fused.xq), want_q) and np.array_equal(ops.to_host(fused.xs), want_s)
-    assert bool(xp.array_equal(ops.linear(fused, down), ops.linear(plain, down)))
-    # attention over 1..300 keys a row (chunks of 32 and 64 keys, several blocks a row)
-    kv = ops.alloc_kv(1, 64 * page * rows, nkv, hd, "bf16")
-    kv[...] = xp.asarray(rng.integers(0x3C00, 0x4000, kv.shape, dtype=np.uint16))
-    table = ops.asarray(np.arange(64 * rows, dtype=np.int32).reshape(rows, 64))
-    pos = ops.asarray(rng.integers(0, 300, rows).astype(np.int64))
-    seq = ops.asarray(np.arange(rows, dtype=np.int32))
-    q = ops.asarray(rng.standard_normal((rows, nh, hd)).astype(np.float32))
-    args = (q, kv, 0, None, table, seq, pos, page, hd ** -0.5)
-    got = ops.attention_for(*args, o_w)
-    plain = ops.attention(*args).reshape(rows, nh * hd)
-    assert isinstance(got, Int8Rows)
-    want_q, want_s = _int8_bits(ops, plain, kind)
-    assert np.array_equal(ops.to_host(got.xq), want_q) and np.array_equal(ops.to_host(got.xs), want_s)
-    assert not any(bool(b.any()) for b in ops._counter_bufs), "a launch left a counter non-zero"
-
-
 def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
     x = rng.standard_normal((64, 4096)).astype(np.float32)
     w = rng.standard_normal(4096).astype(np.float32)

@@ -151,10 +151,6 @@ class CudaOps:
         self._no_norm = self.xp.ones(1, dtype=self.xp.float32)
         self.device_checks = True  # False inside unchecked(): no host syncs on index bounds
         self._host_scales: tuple[Any, np.ndarray] | None = None  # (kv_scales, host copy)
-        # Zeroed int32 counters of the kernels whose last block finishes a piece of work
-        # (attention's combine, an output chunk's int8 x); every launch leaves them at zero.
-        # Every buffer ever made is kept: a captured graph may still use an older one.
-        self._counter_bufs: list[Any] = []
 
     @contextmanager
     def unchecked(self) -> Iterator[None]:
@@ -248,44 +244,23 @@ class CudaOps:
         """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
         (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
         else rms_norm's float32 rows. x [rows, dim]."""
-        kind = self._int8_form(linear)
-        if kind is None:
+        kind, words, _, _, group_size = self._weight_parts(linear)
+        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
             return self.rms_norm(x, w, eps)
         xp = self.xp
         check_array(x, "rms_norm x", np.float32, 2, xp=xp)
         check_array(w, "rms_norm weight", np.float32, 1, xp=xp)
         if x.shape[1] != w.shape[0] or w.shape[0] != linear.in_features:
             raise BadInputError(f"rms_norm_for: x {x.shape}, weight {w.shape}, linear in_features {linear.in_features}")
-        out = self._new_int8_rows(x.shape[0], x.shape[1], kind)
+        q_shape, s_shape = self._launch.quantize_scratch_shapes(*x.shape)
+        out = Int8Rows(xp.empty(q_shape, xp.int8), xp.empty(s_shape, xp.float32), kind)
         if x.shape[0]:
             self._launch.rms_norm_quantize(self._dev(x), self._dev(w), np.float32(eps), kind == "q4",
                                            self._dev(out.xq), self._dev(out.xs), self._stream())
         return out
 
-    def _counters(self, rows: int, cols: int) -> Any:
-        """A zeroed int32 [rows, cols] (a view of the newest counter buffer)."""
-        need = rows * cols
-        if not self._counter_bufs or self._counter_bufs[-1].size < need:
-            stream = self.xp.cuda.get_current_stream()
-            if getattr(stream, "is_capturing", lambda: False)():
-                raise RuntimeError("kernel counters must grow outside a CUDA graph capture "
-                                   "(run the round eagerly first, as GraphDecoder does)")
-            self._counter_bufs.append(self.xp.zeros(max(need, 1 << 16), self.xp.int32))
-        return self._counter_bufs[-1][:need].reshape(rows, cols)
-
-    def _int8_form(self, w: Linear) -> str | None:
-        """The kind ('q4' or 'q8') of the int8 x a 2-D weight multiplies; None: float32 x."""
-        kind, words, _, _, group_size = self._weight_parts(w)
-        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
-            return None
-        return kind
-
-    def _new_int8_rows(self, rows: int, width: int, kind: str) -> Int8Rows:
-        q_shape, s_shape = self._launch.quantize_scratch_shapes(rows, width)
-        return Int8Rows(self.xp.empty(q_shape, self.xp.int8), self.xp.empty(s_shape, self.xp.float32), kind)
-
     def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None,
-                epilogue: str = "store", out_int8: Int8Rows | None = None) -> None:
+                epilogue: str = "store") -> None:
         # rows [n, in] f32; w 2-D, or 3-D stacked experts when expert_ids [n] int32 is given.
         kind, words, scales, biases, group_size = self._weight_parts(w)
         if words.ndim != (3 if expert_ids is not None else 2):
@@ -306,10 +281,6 @@ class CudaOps:
                        "xs": self._dev(self.xp.empty(s_shape, self.xp.float32))}
         else:
             args, scratch = [self._dev(a) for a in (rows, words, scales, biases)], {}
-        if out_int8 is not None:
-            counters = self._counters(out.shape[0], out.shape[1] // 32)
-            scratch["out_int8"] = (self._dev(counters), out_int8.kind == "q4", self._dev(out_int8.xq),
-                                   self._dev(out_int8.xs))
         self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
                             path=path, grouped=grouped, epilogue=epilogue, **scratch)
 
@@ -356,9 +327,9 @@ class CudaOps:
             self._matmul(x, w, out, None, epilogue="add")
         return out
 
-    def swiglu_linear(self, x: Any, gate_up: Linear, out_int8: Int8Rows | None = None) -> Any:
+    def swiglu_linear(self, x: Any, gate_up: Linear) -> Any:
         """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (concat_linears); the bits of
-        silu_mul(linear(x, gate), linear(x, up)). out_int8 (swiglu_linear_for): written too."""
+        silu_mul(linear(x, gate), linear(x, up))."""
         if isinstance(x, Int8Rows):
             self._check_int8_rows(x, "swiglu_linear x", x.shape[0], gate_up)
         else:
@@ -367,22 +338,7 @@ class CudaOps:
             raise BadInputError(f"swiglu_linear: x {x.shape}, weight {gate_up.out_features}x{gate_up.in_features}")
         out = self.xp.empty((x.shape[0], gate_up.out_features // 2), self.xp.float32)
         if x.shape[0]:
-            self._matmul(x, gate_up, out, None, epilogue="swiglu", out_int8=out_int8)
-        return out
-
-    def swiglu_linear_for(self, x: Any, gate_up: Linear, down: Linear) -> Any:
-        """swiglu_linear(x, gate_up) in the form `down` multiplies: Int8Rows when it takes int8
-        x and the gate|up launch can write it (the bits of swiglu_linear then quantize_rows),
-        else swiglu_linear's float32 rows."""
-        kind = self._int8_form(down)
-        g_kind, words, _, _, group_size = self._weight_parts(gate_up)
-        rows = x.shape[0]
-        if (kind is None or words.ndim != 2 or down.in_features != gate_up.out_features // 2
-                or not self._launch.matmul_quantizes_output(g_kind, words[None], group_size, rows,
-                                                            down.in_features, "swiglu")):
-            return self.swiglu_linear(x, gate_up)
-        out = self._new_int8_rows(rows, down.in_features, kind)
-        self.swiglu_linear(x, gate_up, out)
+            self._matmul(x, gate_up, out, None, epilogue="swiglu")
         return out
 
     def attn_inputs(self, qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float, positions: Any,
@@ -519,25 +475,9 @@ class CudaOps:
         self._launch.kv_write(self._dev(k), self._dev(v), self._dev(kv[layer]), self._dev(slots),
                               k_scale, v_scale, self._stream())
 
-    def attention_for(self, q: Any, kv: Any, layer: int, kv_scales: Any | None, block_table: Any,
-                      row_seq: Any, row_pos: Any, page_size: int, sm_scale: float, linear: Linear) -> Any:
-        """attention(...) as the rows [rows, nh * hd] `linear` multiplies: Int8Rows when it takes
-        int8 x (the same launch writes them: the bits of attention then quantize_rows), else
-        attention's float32 rows reshaped."""
-        kind = self._int8_form(linear)
-        rows, width = q.shape[0], q.shape[1] * q.shape[2]
-        if kind is None or q.shape[2] % 32 or linear.in_features != width:
-            out = self.attention(q, kv, layer, kv_scales, block_table, row_seq, row_pos, page_size, sm_scale)
-            return out.reshape(rows, width)
-        int8 = self._new_int8_rows(rows, width, kind)
-        self.attention(q, kv, layer, kv_scales, block_table, row_seq, row_pos, page_size, sm_scale, int8)
-        return int8
-
     def attention(self, q: Any, kv: Any, layer: int, kv_scales: Any | None, block_table: Any,
-                  row_seq: Any, row_pos: Any, page_size: int, sm_scale: float,
-                  out_int8: Int8Rows | None = None) -> Any:
-        """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd];
-        out_int8 (attention_for): the rows as int8 x too."""
+                  row_seq: Any, row_pos: Any, page_size: int, sm_scale: float) -> Any:
+        """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd]."""
         check_kv(kv, layer, self.xp)
         check_array(q, "attention q", np.float32, 3, xp=self.xp)
         if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0 or q.shape[2] > 256:
@@ -553,11 +493,9 @@ class CudaOps:
             scratch = self.xp.empty(shape, np.float32)
             parts = [self._dev(a) for a in (q, kv[layer])]
             tables = [self._dev(a) for a in (block_table, row_seq, row_pos)]
-            int8_out = None if out_int8 is None else (out_int8.kind == "q4", self._dev(out_int8.xq),
-                                                      self._dev(out_int8.xs))
             self._launch.attention(*parts, k_scale, v_scale, *tables, int(page_size),
                                    np.float32(sm_scale), self._dev(out), self._stream(),
-                                   scratch=self._dev(scratch), int8_out=int8_out)
+                                   scratch=self._dev(scratch))
         return out
 
     def zero_pages(self, kv: Any, page_ids: Any, page_size: int) -> None:
