@@ -180,7 +180,9 @@ def forward(decoder, arena, ops, batch):  # noqa: ANN001, ANN201
 def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lane: int) -> list[int]:  # noqa: ANN001, E501
     batch = make_batch(ops, [(i, pos, [t]) for i, t in enumerate(tokens)], pages_per_lane, True)
     logits, _ = forward(decoder, arena, ops, batch)
-    return ops.to_host(ops.argmax(logits)).tolist()
+    in_graph = getattr(decoder, "argmax_of", None)  # as the runner: the graph's own argmax
+    greedy = in_graph(logits) if in_graph is not None else None
+    return ops.to_host(ops.argmax(logits) if greedy is None else greedy).tolist()
 
 
 def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidth: float) -> Row:  # noqa: ANN001, E501

@@ -44,7 +44,7 @@ import math
 import numpy as np
 
 from cuda_kernels.convert import from_bf16_bits, from_e4m3
-from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda
+from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda, kernel
 
 ATTN_THREADS = 64 if SIMULATOR else 256  # the block shape never changes a row
 ATTN_WARPS = ATTN_THREADS // 32
@@ -245,10 +245,10 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
 
     # At most 128 registers: two blocks of ATTN_THREADS a multiprocessor instead of one (143
     # uncapped; ptxas spills 16 bytes at 128).
-    jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=PARTIAL_MAX_REGISTERS)
+    jit = kernel if SIMULATOR else kernel(max_registers=PARTIAL_MAX_REGISTERS)
 
     @jit
-    def kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
+    def partial_kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
         qs = cuda.shared.array((heads_blk, max_hd), np.float32)
         ps = cuda.shared.array((heads_blk, key_tile), np.float32)
@@ -341,7 +341,7 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
                 scratch[row, head0 + warp, chunk, hd] = m_run
                 scratch[row, head0 + warp, chunk, hd + 1] = l_run
 
-    return kernel
+    return partial_kernel
 
 
 @cuda.jit(device=True)
@@ -351,7 +351,7 @@ def _chunk_weight(m_c, m_max):  # noqa: ANN001, ANN201
     return np.float32(math.exp(m_c - m_max))
 
 
-@cuda.jit
+@kernel
 def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
     """out[row, head] from the row's chunk partials, chunks ascending (module docstring)."""
     row = cuda.blockIdx.x

@@ -141,3 +141,63 @@ def warp_max(v):  # noqa: ANN001, ANN201
         v = max(v, _shfl_xor(v, offset))
         offset //= 2
     return v
+
+
+# ---------------------------------------------------------------- kernels and their launch order
+# Programmatic dependent launch (Hopper and later; cuda_kernels/graphs.py): in a CUDA graph
+# whose kernel-to-kernel edges are programmatic, a kernel may start while the one before it
+# still runs. So every kernel of this package begins by waiting for the kernels it depends on
+# to finish (griddepcontrol.wait: at once when there are none, as in a plain launch) and then
+# lets the next one start (griddepcontrol.launch_dependents): a kernel never reads or writes
+# anything before its predecessors are done, and at most one kernel waits at a time.
+PDL_NAME_PREFIX = "pdl__"  # the qualified name of every kernel made by `kernel`
+
+if SIMULATOR:
+
+    def kernel(fn=None, **options):  # noqa: ANN001, ANN003, ANN201
+        """cuda.jit for a kernel of this package (the simulator has no launch order to keep)."""
+        if fn is None:
+            return lambda f: kernel(f, **options)
+        return cuda.jit(**options)(fn) if options else cuda.jit(fn)
+
+else:
+    import inspect
+
+    from numba import types as _types
+    from numba.cuda.extending import intrinsic as _intrinsic
+
+    def _has_pdl() -> bool:
+        try:
+            return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
+        except Exception:  # noqa: BLE001 - no device to ask: compile the plain kernel
+            return False
+
+    @_intrinsic
+    def _enter(typingctx):  # noqa: ANN001, ANN202
+        """griddepcontrol.wait, then griddepcontrol.launch_dependents (sm_90+; nothing before)."""
+        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            if _has_pdl():
+                from llvmlite import ir
+
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                   "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;", "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return _types.void(), codegen
+
+    def kernel(fn=None, **options):  # noqa: ANN001, ANN003, ANN201
+        """cuda.jit for a kernel of this package: `fn` runs after _enter() (see above), as a
+        kernel named PDL_NAME_PREFIX + its name (cuda_kernels/graphs.py finds it by that)."""
+        if fn is None:
+            return lambda f: kernel(f, **options)
+        body = cuda.jit(device=True)(fn)
+        names = ", ".join(inspect.signature(fn).parameters)
+        name = PDL_NAME_PREFIX + fn.__name__
+        scope = {"__name__": fn.__module__, "_body": body, "_enter": _enter}
+        exec(f"def {name}({names}):\n    _enter()\n    _body({names})\n", scope)  # noqa: S102
+        wrapper = scope[name]
+        wrapper.__module__ = fn.__module__
+        wrapper.__doc__ = fn.__doc__
+        return cuda.jit(**options)(wrapper) if options else cuda.jit(wrapper)

@@ -21,6 +21,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
+from cuda_kernels.env import kernel
+
 MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
 MAX_THREADS = 128
 _ELEMENTWISE_THREADS = 128
@@ -58,7 +60,7 @@ def _conv_channel_step(state, c, weight, x_val):
     return _silu(acc)
 
 
-@cuda.jit
+@kernel
 def _conv_rows_kernel(x, conv_state, weight, out):
     c = cuda.grid(1)
     if c >= x.shape[1]:
@@ -67,7 +69,7 @@ def _conv_rows_kernel(x, conv_state, weight, out):
         out[t, c] = _conv_channel_step(conv_state, c, weight, x[t, c])
 
 
-@cuda.jit
+@kernel
 def _conv_batch_kernel(x, conv_states, weight, row_seq, out):
     c = cuda.grid(1)
     if c >= x.shape[1]:
@@ -107,7 +109,7 @@ def _softplus(x):
     return math.log1p(math.exp(x))
 
 
-@cuda.jit
+@kernel
 def _gates_kernel(a, b, a_log, dt_bias, g_out, beta_out):
     idx = cuda.grid(1)
     num_heads = a.shape[1]
@@ -138,7 +140,7 @@ def _l2_scale_head(src, r, col0, dim, eps, scale, dst, head):
         dst[r, head, i] = src[r, col0 + i] * inv * scale
 
 
-@cuda.jit
+@kernel
 def _qk_l2norm_kernel(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out):
     idx = cuda.grid(1)
     if idx >= mixed.shape[0] * num_k_heads:
@@ -195,7 +197,7 @@ def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
         out[r, h, j] = _delta_column(s, j, q_sh, k_sh, head_k_dim, v[r, h, j], alpha, beta_rh)
 
 
-@cuda.jit
+@kernel
 def _delta_stream_kernel(q, k, v, g, beta, state, out):
     h = cuda.blockIdx.y
     hk = h // (state.shape[0] // q.shape[1])
@@ -205,7 +207,7 @@ def _delta_stream_kernel(q, k, v, g, beta, state, out):
         _delta_row(q, k, v, g, beta, state[h], out, r, h, hk, q_sh, k_sh)
 
 
-@cuda.jit
+@kernel
 def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, out):
     first_row = cuda.blockIdx.x
     h = cuda.blockIdx.y
@@ -260,7 +262,7 @@ def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out, stream=0) -> 
 # output norm and gates
 
 
-@cuda.jit
+@kernel
 def _gated_rms_norm_kernel(x, z, weight, eps, out):
     idx = cuda.grid(1)
     num_heads = x.shape[1]
@@ -285,7 +287,7 @@ def gated_rms_norm(x, z, weight, eps, out, stream=0) -> None:
         x, z, weight, np.float32(eps), out)
 
 
-@cuda.jit
+@kernel
 def _split_query_gate_kernel(qg, num_heads, head_dim, q_out, gate_out):
     idx = cuda.grid(1)
     width = num_heads * head_dim
@@ -306,7 +308,7 @@ def split_query_gate(qg, num_heads, head_dim, q_out, gate_out, stream=0) -> None
         qg, num_heads, head_dim, q_out, gate_out)
 
 
-@cuda.jit
+@kernel
 def _sigmoid_gate_mul_kernel(attn, gate, out):
     idx = cuda.grid(1)
     width = attn.shape[1]

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from cuda_kernels.convert import to_bf16_bits, to_e4m3
-from cuda_kernels.env import cuda
+from cuda_kernels.env import cuda, kernel
 from cuda_kernels.norm import NORM_THREADS, inv_rms_of, sum_squares
 
 HEAD_THREADS = NORM_THREADS  # the norm's reduction tree is NORM_THREADS wide
@@ -62,7 +62,7 @@ def _as_fp8(x, scale):  # noqa: ANN001, ANN202
 
 
 def _make_kernel(convert):  # noqa: ANN001, ANN202
-    @cuda.jit
+    @kernel
     def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,  # noqa: ANN001, ANN202, E501
                     k_scale, v_scale, q_out):
         # qkv: [rows, (nh + 2*nkv) * hd] f32; q_norm, k_norm: [hd] f32 (used when use_norm);

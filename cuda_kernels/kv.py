@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels.convert import to_bf16_bits, to_e4m3
-from cuda_kernels.env import cuda
+from cuda_kernels.env import cuda, kernel
 
 KV_THREADS = 128
 
 
-@cuda.jit
+@kernel
 def kv_write_f32(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
     # k, v: [rows, nkv, hd] f32; kv_layer: [2, num_slots, nkv, hd] f32; slots: [rows] i64
     row = cuda.blockIdx.x
@@ -31,7 +31,7 @@ def kv_write_f32(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN2
         kv_layer[kind, slot, e // hd, e % hd] = src[row, e // hd, e % hd]
 
 
-@cuda.jit
+@kernel
 def kv_write_bf16(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
     # kv_layer: [2, num_slots, nkv, hd] uint16 (bf16 bits)
     row = cuda.blockIdx.x
@@ -44,7 +44,7 @@ def kv_write_bf16(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN
         kv_layer[kind, slot, e // hd, e % hd] = to_bf16_bits(src[row, e // hd, e % hd])
 
 
-@cuda.jit
+@kernel
 def kv_write_fp8(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
     # kv_layer: [2, num_slots, nkv, hd] uint8 (E4M3FN); stored e4m3(x / scale)
     row = cuda.blockIdx.x
@@ -59,7 +59,7 @@ def kv_write_fp8(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN2
         kv_layer[kind, slot, e // hd, e % hd] = to_e4m3(x / scale)
 
 
-@cuda.jit
+@kernel
 def zero_pages(kv_flat, page_ids, page_size):  # noqa: ANN001, ANN201
     # kv_flat: [num_layers * 2, num_slots, row_elems] (any dtype); page_ids: [n] i32
     page_id = page_ids[cuda.blockIdx.x]
@@ -70,7 +70,7 @@ def zero_pages(kv_flat, page_ids, page_size):  # noqa: ANN001, ANN201
         kv_flat[plane, first_slot + e // row_elems, e % row_elems] = 0
 
 
-@cuda.jit
+@kernel
 def ring_write(src, ring, ring_ids, positions):  # noqa: ANN001, ANN201
     # src: [rows, width]; ring: [num_rings, capacity, width]; row r -> ring_ids[r] at
     # row positions[r] % capacity (the drafter keeps only its newest `capacity` rows).
@@ -82,7 +82,7 @@ def ring_write(src, ring, ring_ids, positions):  # noqa: ANN001, ANN201
         ring[ring_id, ring_row, e] = src[row, e]
 
 
-@cuda.jit
+@kernel
 def ring_read(ring, ring_ids, positions, out):  # noqa: ANN001, ANN201
     # out[r] = ring[ring_ids[r], positions[r] % capacity]
     row = cuda.blockIdx.x
@@ -93,7 +93,7 @@ def ring_read(ring, ring_ids, positions, out):  # noqa: ANN001, ANN201
         out[row, e] = ring[ring_id, ring_row, e]
 
 
-@cuda.jit
+@kernel
 def copy_rows(src, src_rows, dst, dst_rows):  # noqa: ANN001, ANN201
     # dst[dst_rows[i]] = src[src_rows[i]]: the newest row's hidden state into its lane's slot.
     i = cuda.blockIdx.x

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cuda_kernels.env import SIMULATOR, cuda, warp_sum
+from cuda_kernels.env import SIMULATOR, cuda, kernel, warp_sum
 
 WARPS_PER_BLOCK = 2 if SIMULATOR else 4  # fewer Python threads in the simulator
 MATMUL_THREADS = 32 * WARPS_PER_BLOCK
@@ -570,8 +570,8 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
 
     prefetch_ahead, ahead = _make_prefetch_ahead(variant), variant.ahead
 
-    @cuda.jit
-    def kernel(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
+    @kernel
+    def matmul_k(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
         # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32
@@ -616,7 +616,7 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
             last_step(x_rows, s_rows, b_rows, base, words, wb, work, acc)
         store(acc, row0, feat0, lane, out)
 
-    return kernel
+    return matmul_k
 
 
 EPILOGUES = ("store", "add", "swiglu")
@@ -669,7 +669,7 @@ def launch_shape(rows: int, out_features: int, variant: Variant, epilogue: str =
     return (grid_rows, (out_features + per_block - 1) // per_block), 32 * variant.warps
 
 
-@cuda.jit
+@kernel
 def embed_affine(codes, scales, biases, bits, group_size, ids, out):  # noqa: ANN001, ANN201
     # codes: [V, H*bits/32] u32; out[r] = dequant(codes[ids[r]]); grid (rows,)
     row = cuda.blockIdx.x

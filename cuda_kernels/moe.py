@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from cuda_kernels.env import cuda
+from cuda_kernels.env import cuda, kernel
 
 ROUTE_THREADS = 64
 COMBINE_THREADS = 128
@@ -22,7 +22,7 @@ def _weight(logits, row, e, m, inv_sum):  # noqa: ANN001, ANN201
     return np.float32(math.exp(logits[row, e] - m)) * inv_sum
 
 
-@cuda.jit
+@kernel
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):  # noqa: ANN001, ANN201
     # logits: [rows, E] f32; out_ids: [rows, k] i32; out_weights: [rows, k] f32. One thread a
     # row: softmax over all E (sum in ascending expert order), then k picks in the order
@@ -60,7 +60,7 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):  # noqa: ANN
             out_weights[row, slot] = out_weights[row, slot] / picked
 
 
-@cuda.jit
+@kernel
 def moe_combine(expert_out, weights, out):  # noqa: ANN001, ANN201
     # expert_out: [rows * k, H] (row-slot r*k + j); weights: [rows, k]; out: [rows, H].
     # out[r] = sum_j weights[r, j] * expert_out[r*k + j], j = 0..k-1 in order. grid (rows,)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from cuda_kernels.env import block_sum, cuda
+from cuda_kernels.env import block_sum, cuda, kernel
 
 NORM_THREADS = 128
 ELEMWISE_THREADS = 256
@@ -52,7 +52,7 @@ def inv_rms_of(acc, dim, eps, partial):  # noqa: ANN001, ANN201
     return np.float32(1.0) / math.sqrt(total / np.float32(dim) + np.float32(eps))
 
 
-@cuda.jit
+@kernel
 def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
     # x, out: [rows, dim] f32; w: [dim] f32. Thread t sums x[t], x[t+128], ... in order,
     # then a shared-memory tree halves 128 -> 1 in a fixed order.
@@ -95,7 +95,7 @@ def rms_norm_kernel(dim: int):  # noqa: ANN201
 
 
 def _make_held_rms_norm(held: int):  # noqa: ANN202
-    @cuda.jit
+    @kernel
     def rms_norm_held(x, w, eps, out):  # noqa: ANN001, ANN202
         # rms_norm for rows of at most held * NORM_THREADS: every load of the thread (x and w)
         # is issued up front (indices past the row read its last element; their x counts as
@@ -124,7 +124,7 @@ def _make_held_rms_norm(held: int):  # noqa: ANN202
     return rms_norm_held
 
 
-@cuda.jit
+@kernel
 def rope(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
     # x: [rows, heads, hd] in place; rotate-half on the first 2*len(inv_freq) dims.
     # The angle is formed in float64 (positions reach 1e5; float32 would lose the phase).
@@ -145,7 +145,7 @@ def rope(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
         x[row, head, i + half] = x2 * cos_a + x1 * sin_a
 
 
-@cuda.jit
+@kernel
 def silu_mul(gate, up, out):  # noqa: ANN001, ANN201
     # gate, up, out: [rows, inter] f32; out = gate * sigmoid(gate) * up
     inter = gate.shape[1]

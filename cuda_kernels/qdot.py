@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import matmul as mm
-from cuda_kernels.env import SIMULATOR, cuda, warp_max, warp_sum
+from cuda_kernels.env import SIMULATOR, cuda, kernel, warp_max, warp_sum
 from cuda_kernels.norm import NORM_THREADS, inv_rms_of, sum_squares
 
 CHUNK = 32
@@ -108,14 +108,14 @@ def _quantize_warp(v, lane, chunk, chunks, row, q4_order, xq, xs):  # noqa: ANN0
 if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two barriers)
     QUANT_THREADS = QUANT_WARPS
 
-    @cuda.jit
+    @kernel
     def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
         row = cuda.blockIdx.x
         c = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x
         if c < x.shape[1] // CHUNK:
             _quantize_serial(x[row, c * CHUNK : (c + 1) * CHUNK], row, c, q4_order, xq, xs)
 
-    @cuda.jit
+    @kernel
     def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
         partial = cuda.shared.array(NORM_THREADS, np.float32)
         vals = cuda.local.array(CHUNK, np.float32)
@@ -130,7 +130,7 @@ if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two b
 else:
     QUANT_THREADS = 32 * QUANT_WARPS
 
-    @cuda.jit
+    @kernel
     def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
         # x: [rows, K] f32; xq: [rows, K] int8; xs: [rows, 2 * K / 32] f32 (d, d * sum(xi))
         # per chunk. Grid (rows, chunk blocks), block QUANT_THREADS: one warp a chunk, lane j
@@ -140,7 +140,7 @@ else:
         v = x[cuda.blockIdx.x, min(chunk, chunks - 1) * CHUNK + lane]
         _quantize_warp(v, lane, chunk, chunks, cuda.blockIdx.x, q4_order, xq, xs)
 
-    @cuda.jit
+    @kernel
     def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
         # quantize_rows of rms_norm(x, w, eps): each block works out the row's 1 / rms as
         # norm.rms_norm does (the same threads, order and bits), then quantizes its chunks of
@@ -222,8 +222,8 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
     fetch, chunk_math = _make_fetch(kind, variant), _make_chunk_math(kind, variant, group_chunks)
     prefetch_scales, store = mm._make_prefetch_scales(feats), mm._make_store(variant, epilogue)
 
-    @cuda.jit
-    def kernel(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
+    @kernel
+    def qdot_k(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
         # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
         # w: [E, out_f, K * bits / 32] u32; scales/biases: [E, out_f, groups] f32;
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32.
@@ -260,7 +260,7 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
             c += 32 * unroll
         store(acc, row0, feat0, lane, out)
 
-    return kernel
+    return qdot_k
 
 
 _KERNELS: dict[tuple[str, mm.Variant, int, bool, str], object] = {}

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from cuda_kernels.env import block_sum, cuda, float_as_int
+from cuda_kernels.env import block_sum, cuda, float_as_int, kernel
 
 SAMPLE_THREADS = 256
 _FBUF_SIZE = SAMPLE_THREADS + 2  # partials, then the owner's prefix and the owner thread
@@ -106,7 +106,7 @@ def _block_argmax(logits, row, vbuf, ibuf):  # noqa: ANN001, ANN201
     return best_v, best_i
 
 
-@cuda.jit
+@kernel
 def argmax(logits, out):  # noqa: ANN001, ANN201
     # logits: [rows, V] f32; out: [rows] i64. grid (rows,), block SAMPLE_THREADS
     vbuf = cuda.shared.array(SAMPLE_THREADS, np.float32)
@@ -209,7 +209,7 @@ def _sequential_total(fbuf):  # noqa: ANN001, ANN201
     return total
 
 
-@cuda.jit
+@kernel
 def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out):  # noqa: ANN001, ANN201
     # logits: [rows, V] f32; temperatures, top_ps: [rows] f32; top_ks: [rows] i32;
     # seeds: [rows] u64; positions: [rows] i64; out: [rows] i64. grid (rows,)

@@ -102,3 +102,27 @@ async def test_engine_reaches_the_device_only_through_ops(tiny_llama, monkeypatc
     assert ops.calls["alloc_kv"] == 1  # the arena, once
     assert ops.calls["to_host"] >= len(first.token_ids) + len(second.token_ids)  # logits each round
     assert releases >= 1 and ops.calls["synchronize"] >= releases + 1  # each release drains
+
+
+def test_every_kernel_waits_for_the_kernels_before_it() -> None:
+    """Decode graphs join this package's kernels with programmatic edges (cuda_kernels/graphs.py),
+    which is safe only if every kernel begins with env.kernel's wait: no module of cuda_kernels
+    makes a kernel with cuda.jit directly (only device functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "cuda_kernels"
+    bare = []
+    for path in sorted(root.glob("*.py")):
+        if path.name == "env.py":  # where env.kernel itself wraps cuda.jit
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for dec in node.decorator_list:
+                call = dec if isinstance(dec, ast.Call) else None
+                target = call.func if call is not None else dec
+                device = call is not None and any(k.arg == "device" for k in call.keywords)
+                if ast.unparse(target) == "cuda.jit" and not device:
+                    bare.append(f"{path.name}:{node.name}")
+    assert not bare, f"kernels made with cuda.jit instead of env.kernel: {bare}"

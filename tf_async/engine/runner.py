@@ -176,8 +176,12 @@ class Runner:
             host = self.ops.to_host(logits)
             return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
         assert sampler is not None
-        chosen = self.ops.to_host(choose_on_device(self.ops, sampler, self._take(logits, _row_ids(on_device)),
-                                                      [c for r, _ in on_device for c in r.choices]))
+        rows = self._take(logits, _row_ids(on_device))
+        choices = [c for r, _ in on_device for c in r.choices]
+        in_graph = getattr(getattr(self, "decoder", None), "argmax_of", None)  # GraphDecoder: in its graph
+        greedy = in_graph(rows) if in_graph is not None and all(c.greedy for c in choices) else None
+        chosen = self.ops.to_host(greedy if greedy is not None else
+                                  choose_on_device(self.ops, sampler, rows, choices))
         tokens = {r.request_id: ids.tolist() for r, ids in _per_request(on_device, chosen)}
         on_host = [(r, s) for r, s in spans if r.request_id not in tokens]
         if not on_host:

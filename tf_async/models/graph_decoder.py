@@ -21,6 +21,15 @@ the round itself runs the forward inside `ops.unchecked()` (the engine's runner 
 then nothing is checked twice.
 
     round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
+
+Where the GPU (Hopper or later) and its driver allow, the kernel-to-kernel edges of the graph
+are programmatic (cuda_kernels/graphs.py): each kernel is launched while the one before it
+finishes and waits on the device before it reads anything, so the same kernels run in the
+same order, with less time between them.
+
+The graph also holds the greedy token of every logit row (ops.argmax, the launch the runner
+would make next): `argmax_of(logits)` hands them out for the logits of the latest replay, so
+a greedy round makes no launch of its own outside the graph (each costs ~50 us of host time).
 """
 
 from __future__ import annotations
@@ -48,12 +57,13 @@ class _Captured:
     graph: Any = None
     logits: Array = None
     hidden: Array = None
+    greedy: Array = None  # ops.argmax(logits), in the graph
 
 
 class GraphDecoder:
     """Same interface as Decoder (config, ops, weights, forward); wraps one Decoder on CudaOps."""
 
-    def __init__(self, decoder: Decoder, *, max_rows: int = 64):
+    def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True):
         if decoder.ops.name != "cuda":
             raise BadInputError("CUDA graphs need the cuda device", param="device")
         self.decoder = decoder
@@ -61,14 +71,26 @@ class GraphDecoder:
         self.ops = decoder.ops
         self.weights = decoder.weights
         self.max_rows = max_rows
+        # Programmatic edges between the round's kernels where the GPU and driver allow
+        # (cuda_kernels/graphs.py): the same kernels in the same order, launched sooner.
+        self.programmatic = programmatic
         self._graphs: dict[tuple[int, ...], _Captured] = {}
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
+        self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.decoder, name)  # inv_freq, mscale, sm_scale, ...
 
+    def argmax_of(self, logits: Array) -> Array | None:
+        """ops.argmax(logits), computed inside the graph, when `logits` is the very array the
+        latest replay returned; else None (the caller launches it)."""
+        if self._greedy is not None and self._greedy[0] is logits:
+            return self._greedy[1]
+        return None
+
     def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
+        self._greedy = None
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)
@@ -102,7 +124,9 @@ class GraphDecoder:
         caller.wait_event(cap.stream.record())
         self.num_replays += 1
         # The graph's buffers are reused next round: the caller gets copies.
-        return _copied(xp, cap.logits), _copied(xp, cap.hidden)
+        logits = _copied(xp, cap.logits)
+        self._greedy = (logits, _copied(xp, cap.greedy))
+        return logits, _copied(xp, cap.hidden)
 
     def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array
                  ) -> tuple[_Captured, tuple[Array, Array]]:
@@ -119,11 +143,21 @@ class GraphDecoder:
             _load(xp, cap, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())
-            cap.stream.begin_capture(mode=_relaxed(xp))
-            try:
+
+            def record() -> None:
                 cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
-            finally:
-                cap.graph = cap.stream.end_capture()
+                cap.greedy = self.ops.argmax(cap.logits)  # type: ignore[attr-defined]
+
+            if self.programmatic:
+                from cuda_kernels.graphs import capture_programmatic
+
+                cap.graph = capture_programmatic(cap.stream, record)
+            if cap.graph is None:
+                cap.stream.begin_capture(mode=_relaxed(xp))
+                try:
+                    record()
+                finally:
+                    cap.graph = cap.stream.end_capture()
         caller.wait_event(cap.stream.record())
         return cap, outputs
 
