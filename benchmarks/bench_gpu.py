@@ -245,7 +245,7 @@ def bench_model(name, cfg, weights, ops, args, bandwidth: float) -> list[Row]:  
     decoder = Decoder(Checkpoint(cfg, weights, None, name), ops)  # type: ignore[arg-type]
     rows = []
     for parallel in args.parallel:
-        graph = GraphDecoder(decoder)
+        graph = GraphDecoder(decoder, programmatic=not args.plain_graphs)
         rows.append(bench_parallel(name, cfg, decoder, graph, ops, args, parallel, bandwidth))
         r = rows[-1]
         print(f"  {name} P={parallel}: eager {r.eager_ms:.2f} ms, graph {r.graph_ms:.2f} ms, "
@@ -343,6 +343,8 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16", choices=["f32", "bf16", "fp8"])
     parser.add_argument("--models", default="q4,bf16")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--plain-graphs", action="store_true",
+                        help="no programmatic edges between the graph's kernels (cuda_kernels/graphs.py)")
     args = parser.parse_args()
     from tf_async.backend.cuda_ops import CudaOps
 

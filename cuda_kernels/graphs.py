@@ -90,13 +90,14 @@ def capture_programmatic(stream: Any, record: Callable[[], None]) -> Programmati
     _call("cuStreamBeginCapture_v2", handle, ctypes.c_int(_CAPTURE_MODE_RELAXED))
     graph = ctypes.c_void_p()
     try:
-        record()
-    finally:
-        _call("cuStreamEndCapture", handle, ctypes.byref(graph))
-    try:
+        try:
+            record()
+        finally:
+            _call("cuStreamEndCapture", handle, ctypes.byref(graph))
         edges = _make_programmatic(graph)
     except Exception:
-        _driver().cuGraphDestroy(graph)
+        if graph:
+            _driver().cuGraphDestroy(graph)
         raise
     return ProgrammaticGraph(graph, edges)
 

@@ -118,6 +118,7 @@ def test_device_choices_carry_the_host_samplers_positions_and_seed():
 def bare_runner(ops: Any) -> Runner:
     runner = Runner.__new__(Runner)
     runner.ops = ops
+    runner.decoder = None  # no GraphDecoder: no argmax of its own
     runner.sampler = device_sampler(ops)
     return runner
 

@@ -178,7 +178,7 @@ class Runner:
         assert sampler is not None
         rows = self._take(logits, _row_ids(on_device))
         choices = [c for r, _ in on_device for c in r.choices]
-        in_graph = getattr(getattr(self, "decoder", None), "argmax_of", None)  # GraphDecoder: in its graph
+        in_graph = getattr(self.decoder, "argmax_of", None)  # GraphDecoder: argmax in its graph
         greedy = in_graph(rows) if in_graph is not None and all(c.greedy for c in choices) else None
         chosen = self.ops.to_host(greedy if greedy is not None else
                                   choose_on_device(self.ops, sampler, rows, choices))
