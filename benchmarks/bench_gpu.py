@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -189,7 +190,7 @@ def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidt
     from tf_async.engine.runner import Arena
 
     cp = ops.xp
-    ctx = args.prompt + 2 * args.decode + 8
+    ctx = args.prompt + 2 * args.decode + args.profile_host + 8
     pages_per_lane = -(-ctx // PAGE_SIZE)
     arena = Arena(ops, decoder, num_pages=parallel * pages_per_lane, page_size=PAGE_SIZE, kv_dtype=args.kv)
     rng = np.random.default_rng(parallel)
@@ -215,12 +216,32 @@ def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidt
         graphed.append(time.perf_counter() - t0)
         pos += 1
     gpu_s = replay_seconds(cp, graph)
+    if args.profile_host:
+        one_round = partial(decode_round, graph, arena, ops, pages_per_lane=pages_per_lane)
+        tokens, pos = profile_host(args.profile_host, one_round, tokens, pos)
     contexts = [pos - args.decode // 2] * parallel
     kv_itemsize = int(arena.kv.dtype.itemsize)
     nbytes = round_bytes(decoder.weights, cfg, kv_itemsize, contexts)
     del arena
     return Row(name, parallel, parallel * args.prompt / prefill_s, 1e3 * float(np.median(eager[2:])),
                1e3 * float(np.median(graphed[2:])), 1e3 * gpu_s, nbytes / 1e9, 1e3 * nbytes / bandwidth)
+
+
+def profile_host(count: int, round_fn: Callable[[list[int], int], list[int]], tokens: list[int],
+                 pos: int) -> tuple[list[int], int]:
+    """`count` graph rounds under cProfile: the functions that hold the host's share of a round."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(count):
+        tokens = round_fn(tokens, pos)
+        pos += 1
+    profile.disable()
+    print(f"host profile of {count} graph rounds (tottime: own time; us a round = tottime / {count}):")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return tokens, pos
 
 
 def replay_seconds(cp, graph, count: int = 20) -> float:  # noqa: ANN001
@@ -345,6 +366,8 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--plain-graphs", action="store_true",
                         help="no programmatic edges between the graph's kernels (cuda_kernels/graphs.py)")
+    parser.add_argument("--profile-host", type=int, default=0, metavar="N",
+                        help="also run N graph rounds under cProfile and print where the host time goes")
     args = parser.parse_args()
     from tf_async.backend.cuda_ops import CudaOps
 
