@@ -43,6 +43,7 @@ import math
 
 import numpy as np
 
+from cuda_kernels import qdot as _qd
 from cuda_kernels.convert import from_bf16_bits, from_e4m3
 from cuda_kernels.env import FULL_MASK, SIMULATOR, cuda, kernel
 
@@ -57,6 +58,7 @@ PARTIAL_MAX_REGISTERS = 65536 // (2 * ATTN_THREADS)  # two partial blocks a mult
 TARGET_BLOCKS = 2048  # partial blocks per launch worth filling the GPU (grid only, never bits)
 SCRATCH_BUDGET_BYTES = 64 << 20  # larger launches run in slices of rows (same bits)
 NEG_INF = np.float32(-np.inf)
+MAX_HEAD_DIM = 256
 
 assert SLOT_SPAN % KEY_TILE == 0 and KEY_TILE % ATTN_WARPS == 0 and KEY_TILE <= 32
 
@@ -167,8 +169,8 @@ else:
 
 def tile_for_head_dim(head_dim: int) -> tuple[int, int]:
     """(key_tile, max_head_dim) of the kernel variant for `head_dim` (shared memory < 48 KB)."""
-    if head_dim > 256:
-        raise ValueError(f"head_dim {head_dim} > 256 is not supported by the CUDA attention kernel")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the CUDA attention kernel")
     max_hd = 32
     while max_hd < head_dim:
         max_hd *= 2
@@ -351,9 +353,10 @@ def _chunk_weight(m_c, m_max):  # noqa: ANN001, ANN201
     return np.float32(math.exp(m_c - m_max))
 
 
-@kernel
-def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
-    """out[row, head] from the row's chunk partials, chunks ascending (module docstring)."""
+@cuda.jit(device=True)
+def _combine(row_pos, scratch, out, vals):  # noqa: ANN001, ANN202
+    # out[row, head] (and vals[0, :hd]) from the row's chunk partials, chunks ascending
+    # (module docstring).
     row = cuda.blockIdx.x
     head = cuda.blockIdx.y
     hd = out.shape[2]
@@ -369,7 +372,27 @@ def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
         num = np.float32(0.0)
         for c in range(n_chunks):
             num = cuda.fma(scratch[row, head, c, d], _chunk_weight(scratch[row, head, c, hd], m_max), num)
-        out[row, head, d] = num / total
+        value = num / total
+        out[row, head, d] = value
+        vals[0, d] = value
+
+
+@kernel
+def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
+    """out[row, head] from the row's chunk partials, chunks ascending (module docstring)."""
+    vals = cuda.shared.array((1, MAX_HEAD_DIM), np.float32)
+    _combine(row_pos, scratch, out, vals)
+
+
+@kernel
+def combine_quantize_kernel(row_pos, scratch, out, q4_order, xq, xs):  # noqa: ANN001
+    """combine_kernel, and the head's values also written as int8 x: the bits of
+    qdot.quantize_rows of out's rows [rows, nh * hd] (head_dim a multiple of qdot.CHUNK)."""
+    vals = cuda.shared.array((1, MAX_HEAD_DIM), np.float32)
+    _combine(row_pos, scratch, out, vals)
+    cuda.syncthreads()
+    chunks = out.shape[2] // _qd.CHUNK
+    _qd.quantize_chunks(vals, MAX_HEAD_DIM, chunks, cuda.blockIdx.y * chunks, cuda.blockIdx.x, q4_order, xq, xs)
 
 
 _KERNELS: dict[tuple[str, int, int], object] = {}  # (kv kind, head_dim, heads a block)

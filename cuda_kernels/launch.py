@@ -125,12 +125,15 @@ def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_widt
 
 
 def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: ANN001, E501
-              *, scratch=None) -> None:
+              *, scratch=None, int8_out=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
     kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
     (cuda_kernels/attention.py). scratch: float32 of attention.scratch_shape(rows, num_heads,
-    head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here). Rows
-    run in slices of scratch.shape[0]; the grid depends only on shapes, never on row_pos."""
+    head_dim, block_table.shape[1], page_size) or wider in rows (None: allocated here).
+    int8_out = (q4_order, xq, xs): the combine also writes out's rows [rows, nh * hd] as int8 x
+    (qdot.quantize_rows' bits; xq int8 [rows, nh * hd], xs f32 [rows, 2 * nh * hd / 32]; head_dim
+    a multiple of 32). Rows run in slices of scratch.shape[0]; the grid depends only on shapes,
+    never on row_pos."""
     rows, num_heads, head_dim = q.shape
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
@@ -142,6 +145,11 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     if tuple(scratch.shape[1:]) != shape[1:] or scratch.shape[0] < 1 or scratch.dtype != _np.float32:
         raise ValueError(f"attention scratch: expected float32 [n, {', '.join(map(str, shape[1:]))}], "
                          f"got {scratch.dtype} {tuple(scratch.shape)}")
+    if int8_out is not None:
+        q_shape, s_shape = quantize_scratch_shapes(rows, num_heads * head_dim)
+        if head_dim % _qd.CHUNK or tuple(int8_out[1].shape) != q_shape or tuple(int8_out[2].shape) != s_shape:
+            raise ValueError(f"attention int8 output: head_dim {head_dim} (a multiple of {_qd.CHUNK}), expected "
+                             f"{q_shape} and {s_shape}, got {int8_out[1].shape} and {int8_out[2].shape}")
     step = scratch.shape[0]
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
@@ -149,7 +157,13 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
         grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
         args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
         _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, scratch)
-        _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, pos, scratch, out[r0 : r0 + n])
+        combine = (pos, scratch, out[r0 : r0 + n])
+        if int8_out is None:
+            _go(_attn.combine_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, *combine)
+        else:
+            q4_order, xq, xs = int8_out
+            _go(_attn.combine_quantize_kernel, (n, num_heads), _attn.COMBINE_THREADS, stream, *combine,
+                bool(q4_order), xq[r0 : r0 + n], xs[r0 : r0 + n])
 
 
 def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # noqa: ANN001

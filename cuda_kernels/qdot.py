@@ -154,6 +154,30 @@ else:
         _quantize_warp((x[row, i] * inv_rms) * w[i], lane, chunk, chunks, row, q4_order, xq, xs)
 
 
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        # Chunks chunk0 .. chunk0 + count - 1 of the row from the block's own values (shared):
+        # value i is vals[i // width, i % width]. One thread a chunk (the simulator's form)
+        chunk_vals = cuda.local.array(CHUNK, np.float32)
+        for c in range(cuda.threadIdx.x, count, cuda.blockDim.x):
+            for j in range(CHUNK):
+                i = c * CHUNK + j
+                chunk_vals[j] = vals[i // width, i % width]
+            _quantize_serial(chunk_vals, row, chunk0 + c, q4_order, xq, xs)
+
+else:
+
+    @cuda.jit(device=True)
+    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
+        # As above, one warp a chunk (every thread of the block calls; the bits of quantize_rows)
+        lane, warps = cuda.threadIdx.x % 32, cuda.blockDim.x // 32
+        for c in range(cuda.threadIdx.x // 32, count, warps):
+            i = c * CHUNK + lane
+            _quantize_warp(vals[i // width, i % width], lane, chunk0 + c, chunk0 + count, row, q4_order, xq, xs)
+
+
 def quantize_shape(rows: int, in_features: int, norm: bool = False) -> tuple[tuple[int, int], int]:
     """(grid, block) of quantize_rows, or of rms_norm_quantize (norm: NORM_THREADS a block,
     the threads of rms_norm's reduction)."""

@@ -393,6 +393,22 @@ def _check_attention_prompt(rng: np.random.Generator) -> None:
         solo = _attend(q[r : r + 1], kv_layer, (0.01, 0.02), block_table, row_seq[:1], row_pos[r : r + 1],
                        page_size, 0.2)
         assert np.array_equal(solo[0], out[r]), "prompt row depends on the other rows"
+        _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
+
+
+def _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:  # noqa: ANN001
+    """The launch that also writes its rows as int8 x: the same float32 rows and the bits of
+    quantize_rows of them."""
+    from cuda_kernels import launch
+
+    rows, width = q.shape[0], q.shape[1] * q.shape[2]
+    xq, xs = np.full((rows, width), 77, np.int8), np.full((rows, 2 * width // 32), np.nan, np.float32)
+    fused = _attend(q, kv_layer, (0.01, 0.02), block_table, row_seq, row_pos, page_size, 0.2,
+                    int8_out=(True, xq, xs))
+    assert np.array_equal(fused, out), "attention with int8 output changed its float32 rows"
+    ref_q, ref_s = launch._quantize("q4", out.reshape(rows, width), None, None, None)
+    assert np.array_equal(xq, ref_q) and np.array_equal(xs.view(np.uint32), ref_s.view(np.uint32)), \
+        "attention's int8 output differs from quantize_rows of its rows"
 
 
 def check_attention_wide_heads(rng: np.random.Generator) -> None:

@@ -394,6 +394,45 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     assert bool(xp.array_equal(kv_got.view(xp.uint8), kv_want.view(xp.uint8)))
 
 
+def _int8_bits(ops, rows_f32, kind):  # noqa: ANN001, ANN202
+    """quantize_rows of float32 rows on the CPU twin: (xq, xs) as NumPy."""
+    from tf_async.backend.cpu import kernels as cpu
+
+    host = ops.to_host(rows_f32)
+    xq = np.empty(host.shape, np.int8)
+    xs = np.empty((host.shape[0], 2 * host.shape[1] // 32), np.float32)
+    cpu.quantize_rows_int8(host, kind == "q4", xq, xs)
+    return xq, xs
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_attention_written_as_int8_x(ops, rng, rows, bits) -> None:  # noqa: ANN001
+    """attention_for (the combine launch also writes the rows' int8 x) gives attention's float32
+    rows and the bits of quantize_rows of them (Qwen3-8B heads, 1..300 keys a row: chunks of 32
+    and 64 keys, several blocks a row; fresh inputs, poisoned outputs)."""
+    from tf_async.backend.cuda_ops import Int8Rows
+    from tf_async.models.weights import quantize_affine
+
+    nh, nkv, hd, hidden, page = 32, 8, 128, 4096, 16
+    xp = ops.xp
+    o_w = ops.upload_linear(quantize_affine(rng.standard_normal((hidden, nh * hd)).astype(np.float32), bits, 64))
+    kind = "q4" if bits == 4 else "q8"
+    kv = ops.alloc_kv(1, 64 * page * rows, nkv, hd, "bf16")
+    kv[...] = xp.asarray(rng.integers(0x3C00, 0x4000, kv.shape, dtype=np.uint16))
+    table = ops.asarray(np.arange(64 * rows, dtype=np.int32).reshape(rows, 64))
+    pos = ops.asarray(rng.integers(0, 300, rows).astype(np.int64))
+    seq = ops.asarray(np.arange(rows, dtype=np.int32))
+    q = ops.asarray(rng.standard_normal((rows, nh, hd)).astype(np.float32))
+    args = (q, kv, 0, None, table, seq, pos, page, hd ** -0.5)
+    got = ops.attention_for(*args, o_w)
+    plain = ops.attention(*args).reshape(rows, nh * hd)
+    assert isinstance(got, Int8Rows) and got.kind == kind
+    want_q, want_s = _int8_bits(ops, plain, kind)
+    assert np.array_equal(ops.to_host(got.xq), want_q) and np.array_equal(ops.to_host(got.xs), want_s)
+    assert bool(xp.array_equal(ops.linear(got, o_w), ops.linear(plain, o_w)))
+
+
 def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
     x = rng.standard_normal((64, 4096)).astype(np.float32)
     w = rng.standard_normal(4096).astype(np.float32)

@@ -244,20 +244,30 @@ class CudaOps:
         """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
         (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
         else rms_norm's float32 rows. x [rows, dim]."""
-        kind, words, _, _, group_size = self._weight_parts(linear)
-        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
+        kind = self._int8_form(linear)
+        if kind is None:
             return self.rms_norm(x, w, eps)
         xp = self.xp
         check_array(x, "rms_norm x", np.float32, 2, xp=xp)
         check_array(w, "rms_norm weight", np.float32, 1, xp=xp)
         if x.shape[1] != w.shape[0] or w.shape[0] != linear.in_features:
             raise BadInputError(f"rms_norm_for: x {x.shape}, weight {w.shape}, linear in_features {linear.in_features}")
-        q_shape, s_shape = self._launch.quantize_scratch_shapes(*x.shape)
-        out = Int8Rows(xp.empty(q_shape, xp.int8), xp.empty(s_shape, xp.float32), kind)
+        out = self._new_int8_rows(x.shape[0], x.shape[1], kind)
         if x.shape[0]:
             self._launch.rms_norm_quantize(self._dev(x), self._dev(w), np.float32(eps), kind == "q4",
                                            self._dev(out.xq), self._dev(out.xs), self._stream())
         return out
+
+    def _int8_form(self, w: Linear) -> str | None:
+        """The kind ('q4' or 'q8') of the int8 x a 2-D weight multiplies; None: float32 x."""
+        kind, words, _, _, group_size = self._weight_parts(w)
+        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
+            return None
+        return kind
+
+    def _new_int8_rows(self, rows: int, width: int, kind: str) -> Int8Rows:
+        q_shape, s_shape = self._launch.quantize_scratch_shapes(rows, width)
+        return Int8Rows(self.xp.empty(q_shape, self.xp.int8), self.xp.empty(s_shape, self.xp.float32), kind)
 
     def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None,
                 epilogue: str = "store") -> None:
@@ -475,9 +485,25 @@ class CudaOps:
         self._launch.kv_write(self._dev(k), self._dev(v), self._dev(kv[layer]), self._dev(slots),
                               k_scale, v_scale, self._stream())
 
+    def attention_for(self, q: Any, kv: Any, layer: int, kv_scales: Any | None, block_table: Any,
+                      row_seq: Any, row_pos: Any, page_size: int, sm_scale: float, linear: Linear) -> Any:
+        """attention(...) as the rows [rows, nh * hd] `linear` multiplies: Int8Rows when it takes
+        int8 x (the combine launch writes them: the bits of attention then quantize_rows), else
+        attention's float32 rows reshaped."""
+        kind = self._int8_form(linear)
+        rows, width = q.shape[0], q.shape[1] * q.shape[2]
+        if kind is None or q.shape[2] % 32 or linear.in_features != width:
+            out = self.attention(q, kv, layer, kv_scales, block_table, row_seq, row_pos, page_size, sm_scale)
+            return out.reshape(rows, width)
+        int8 = self._new_int8_rows(rows, width, kind)
+        self.attention(q, kv, layer, kv_scales, block_table, row_seq, row_pos, page_size, sm_scale, int8)
+        return int8
+
     def attention(self, q: Any, kv: Any, layer: int, kv_scales: Any | None, block_table: Any,
-                  row_seq: Any, row_pos: Any, page_size: int, sm_scale: float) -> Any:
-        """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd]."""
+                  row_seq: Any, row_pos: Any, page_size: int, sm_scale: float,
+                  out_int8: Int8Rows | None = None) -> Any:
+        """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd];
+        out_int8 (attention_for): the rows as int8 x too."""
         check_kv(kv, layer, self.xp)
         check_array(q, "attention q", np.float32, 3, xp=self.xp)
         if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0 or q.shape[2] > 256:
@@ -493,9 +519,11 @@ class CudaOps:
             scratch = self.xp.empty(shape, np.float32)
             parts = [self._dev(a) for a in (q, kv[layer])]
             tables = [self._dev(a) for a in (block_table, row_seq, row_pos)]
+            int8_out = None if out_int8 is None else (out_int8.kind == "q4", self._dev(out_int8.xq),
+                                                      self._dev(out_int8.xs))
             self._launch.attention(*parts, k_scale, v_scale, *tables, int(page_size),
                                    np.float32(sm_scale), self._dev(out), self._stream(),
-                                   scratch=self._dev(scratch))
+                                   scratch=self._dev(scratch), int8_out=int8_out)
         return out
 
     def zero_pages(self, kv: Any, page_ids: Any, page_size: int) -> None:

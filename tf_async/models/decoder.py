@@ -83,16 +83,17 @@ class Decoder:
     def _fused_layer(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
                      batch: ForwardBatch, kv: Array, kv_scales: Array) -> None:
         """One layer with the backend's fused ops (CudaOps.fused_layers): the bits of
-        _attention and _mlp, in 8 ops instead of 18 (rms_norm_for: a norm whose output
-        only a matmul on int8 x reads is written as that int8 x); h is updated in place."""
+        _attention and _mlp, in 8 ops instead of 18 (the *_for ops: an output that only a
+        matmul on int8 x reads is written as that int8 x by the launch that makes it: the
+        norms and attention); h is updated in place."""
         ops: Any = self.ops
         cfg = self.config
         eps = cfg.rms_norm_eps
         qkv = ops.linear(ops.rms_norm_for(h, layer.input_norm, eps, fused.qkv), fused.qkv, fused.qkv_bias)
         q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
                             self.mscale, kv, index, batch.slots, kv_scales, cfg.num_heads)
-        o = ops.attention(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
-                          batch.positions, batch.page_size, self.sm_scale).reshape(h.shape[0], cfg.q_size)
+        o = ops.attention_for(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
+                              batch.positions, batch.page_size, self.sm_scale, layer.o)
         if layer.o_bias is None:
             ops.linear_into(o, layer.o, h)
         else:
