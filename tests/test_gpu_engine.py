@@ -73,26 +73,28 @@ GATE_CASES = [("llama-f32", "f32"), ("qwen3-f32", "f32"), ("qwen3_moe-f32", "f32
 @pytest.mark.asyncio
 async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", kv_dtype=kv_dtype,
-                                 max_tokens=10, ctx=256)
+                                 max_tokens=10, ctx=256, cuda_graphs=False)  # every round eager
     _assert_gates(rows, idle, count=2 * (4 + 1 + 3) + 1)
 
 
 @pytest.mark.parametrize("name", ["qwen3-mlx4", "qwen3_moe-f32"])
 @pytest.mark.asyncio
 async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) -> None:  # noqa: ANN001
+    """The engine's default on a GPU (cuda_graphs=True): decode rounds replayed from graphs."""
     from tf_async.engine import build
-    from tf_async.engine.runner import Runner
     from tf_async.models.graph_decoder import GraphDecoder
 
     made: list[GraphDecoder] = []
+    maybe_graphs = build._maybe_graphs
 
-    def graph_runner(decoder: Decoder, arena) -> Runner:  # noqa: ANN001
-        made.append(GraphDecoder(decoder))
-        return Runner(made[-1], arena)
+    def recorded(decoder: Decoder, options: dict) -> Decoder:
+        made.append(maybe_graphs(decoder, options))  # type: ignore[arg-type]
+        return made[-1]
 
-    monkeypatch.setattr(build, "Runner", graph_runner)
+    monkeypatch.setattr(build, "_maybe_graphs", recorded)
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256)
     _assert_gates(rows, idle, count=2 * (4 + 1 + 3) + 1)
+    assert made and all(isinstance(g, GraphDecoder) for g in made)
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
 

@@ -125,7 +125,7 @@ class Engine:
                  ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
                  kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = True):
         if kv_pages is None and os.environ.get("TF_KV_PAGES"):
             kv_pages = int(os.environ["TF_KV_PAGES"])
         self.options: dict[str, Any] = dict(

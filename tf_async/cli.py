@@ -12,6 +12,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "fp8"])
     p.add_argument("--drafter", default=None, help="ngram | draft:PATH | mtp")
     p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CUDA device, replay decode rounds from captured CUDA graphs")
 
 
 def _parser() -> argparse.ArgumentParser:

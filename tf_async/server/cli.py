@@ -45,8 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens per round (stepped prefill)")
     parser.add_argument("--drafter", default=None, help="speculative drafter (mtp, ngram, path)")
     parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="replay decode rounds of dense models as CUDA graphs (device cuda)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CUDA device, replay decode rounds of dense models from captured "
+                             "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a lane; more get HTTP 429")
 
@@ -73,7 +74,7 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   kv_dtype=args.kv_dtype, paging=args.paging, kv_pages=args.kv_pages,
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
-                  cuda_graphs=getattr(args, "cuda_graphs", False))
+                  cuda_graphs=getattr(args, "cuda_graphs", True))
 
 
 def run_serve(args: argparse.Namespace) -> int:
