@@ -190,7 +190,7 @@ def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidt
     from tf_async.engine.runner import Arena
 
     cp = ops.xp
-    ctx = args.prompt + 2 * args.decode + args.profile_host + 8
+    ctx = args.prompt + 2 * args.decode + args.profile_host + STEP_ROUNDS * sum(args.decode_steps) + 8
     pages_per_lane = -(-ctx // PAGE_SIZE)
     arena = Arena(ops, decoder, num_pages=parallel * pages_per_lane, page_size=PAGE_SIZE, kv_dtype=args.kv)
     rng = np.random.default_rng(parallel)
@@ -219,6 +219,10 @@ def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidt
     if args.profile_host:
         one_round = partial(decode_round, graph, arena, ops, pages_per_lane=pages_per_lane)
         tokens, pos = profile_host(args.profile_host, one_round, tokens, pos)
+    for steps in args.decode_steps:
+        tokens, pos, ms = runner_rounds(graph, arena, tokens, pos, pages_per_lane, steps)
+        print(f"  {name} P={parallel}: engine runner, {steps} decode step(s) a round: "
+              f"{ms:.3f} ms a token (median of {STEP_ROUNDS} rounds)", flush=True)
     contexts = [pos - args.decode // 2] * parallel
     kv_itemsize = int(arena.kv.dtype.itemsize)
     nbytes = round_bytes(decoder.weights, cfg, kv_itemsize, contexts)
@@ -242,6 +246,35 @@ def profile_host(count: int, round_fn: Callable[[list[int], int], list[int]], to
     print(f"host profile of {count} graph rounds (tottime: own time; us a round = tottime / {count}):")
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     return tokens, pos
+
+
+STEP_ROUNDS = 6
+
+
+def runner_rounds(graph, arena, tokens: list[int], pos: int, pages_per_lane: int,  # noqa: ANN001
+                  steps: int) -> tuple[list[int], int, float]:
+    """Greedy decode rounds through the engine's Runner (RoundPlan.steps = `steps`: the tokens
+    fed on the device between steps): one warm-up round, then STEP_ROUNDS timed; -> (last
+    tokens, next position, median ms a token)."""
+    from tf_async.engine.runner import Runner
+    from tf_async.engine.sequence import RoundPlan, SeqRows, TokenChoice
+
+    runner = Runner(graph, arena)
+    lanes = range(len(tokens))
+    tables = {lane: tuple(range(lane * pages_per_lane, (lane + 1) * pages_per_lane)) for lane in lanes}
+    times = []
+    for _ in range(STEP_ROUNDS + 1):
+        rows = tuple(SeqRows(lane, lane, pos, (tokens[lane],), 1, (), (TokenChoice(0.0, 0, 1.0, 0, pos + 1),))
+                     for lane in lanes)
+        t0 = time.perf_counter()
+        result = runner.execute(RoundPlan(rows, tables, (), steps=steps))
+        times.append(time.perf_counter() - t0)
+        if result.failed:
+            raise RuntimeError(f"runner round failed: {result.failed}")
+        tokens = [result.tokens[lane][-1] if lane in result.tokens else int(np.argmax(result.logits[lane][-1]))
+                  for lane in lanes]  # (the CPU chooses one-step tokens on the host)
+        pos += steps
+    return tokens, pos, 1e3 * float(np.median(times[1:])) / steps
 
 
 def replay_seconds(cp, graph, count: int = 20) -> float:  # noqa: ANN001
@@ -368,6 +401,8 @@ def main() -> None:
                         help="no programmatic edges between the graph's kernels (cuda_kernels/graphs.py)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="also run N graph rounds under cProfile and print where the host time goes")
+    parser.add_argument("--decode-steps", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="also time rounds of 1,4,... decode steps through the engine's Runner")
     args = parser.parse_args()
     from tf_async.backend.cuda_ops import CudaOps
 

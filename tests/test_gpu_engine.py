@@ -98,6 +98,30 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
 
+@pytest.mark.parametrize("name", ["qwen3-mlx4", "llama-f32"])
+@pytest.mark.asyncio
+async def test_decode_steps_equal_one_step_on_the_gpu(tiny_ckpts, name) -> None:  # noqa: ANN001
+    """--decode-steps on the GPU (graphs on, tokens fed device to device, greedy and seeded):
+    the outputs of one step a round, token for token, and nothing left in use."""
+    import asyncio
+
+    kwargs = [dict(max_tokens=14, ignore_eos=True), dict(max_tokens=11, ignore_eos=True, temperature=0.8, seed=4),
+              dict(max_tokens=9, ignore_eos=True, temperature=1.2, top_k=30, top_p=0.9, seed=8)]
+    outputs, rounds = [], []
+    for steps in (1, 4):
+        async with Engine(tiny_ckpts[name], device="cuda", parallel=4, ctx=128, decode_steps=steps) as eng:
+            done = await asyncio.gather(*(eng.complete([5 + i, 9, 33, 2], **kw) for i, kw in enumerate(kwargs)))
+            outputs.append([d.token_ids for d in done])
+            rounds.append(eng.parts.core.num_rounds)
+            assert eng.parts.runner.decoder.num_replays > 0  # the steps replayed the round's graph
+            for _ in range(100):
+                if eng.parts.core.snapshot["lanes_in_use"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.parts.core.snapshot["lanes_in_use"] == 0 and eng.parts.core.snapshot["pages_in_use"] == 0
+    assert outputs[0] == outputs[1] and rounds[1] < rounds[0]
+
+
 @pytest.mark.asyncio
 async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:  # noqa: ANN001
     import cupy

@@ -125,13 +125,13 @@ class Engine:
                  ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
                  kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, decode_steps: int = 1):
         if kv_pages is None and os.environ.get("TF_KV_PAGES"):
             kv_pages = int(os.environ["TF_KV_PAGES"])
         self.options: dict[str, Any] = dict(
             model=model, device=device, parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, paging=paging,
             kv_pages=kv_pages, step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens,
-            page_size=page_size, cuda_graphs=cuda_graphs)
+            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps)
         self.max_queue = max_queue
         self.ctx = ctx
         self.parts: EngineParts | None = None

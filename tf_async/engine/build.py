@@ -48,6 +48,9 @@ def validate_options(o: dict[str, Any]) -> None:
     need(isinstance(o["page_size"], int) and 1 <= o["page_size"] <= 1024, "page_size must be in [1, 1024]", "page_size")
     need(isinstance(o["step_tokens"], int) and o["step_tokens"] >= 1, "step_tokens must be >= 1", "step_tokens")
     need(isinstance(o["draft_tokens"], int) and 1 <= o["draft_tokens"] <= 16, "draft_tokens must be in [1, 16]", "draft_tokens")
+    steps = o.get("decode_steps", 1)
+    need(isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 64,
+         "decode_steps must be in [1, 64]", "decode_steps")
     per_lane = pages_for_rows(o["ctx"], o["page_size"])
     kv_pages = o["kv_pages"]
     need(kv_pages is None or (isinstance(kv_pages, int) and kv_pages >= per_lane),
@@ -78,7 +81,8 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
                   kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
-                          recurrent=getattr(decoder, "states", None) is not None)
+                          recurrent=getattr(decoder, "states", None) is not None,
+                          decode_steps=options.get("decode_steps", 1))
     runner = Runner(_maybe_graphs(decoder, options), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.get("drafter"):

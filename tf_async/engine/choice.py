@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..api_types import SamplingParams
 from ..backend.base import DeviceSampler, device_sampler
 from .sampling import apply_penalties, sample_token
 from .sequence import TokenChoice
@@ -64,6 +65,14 @@ def choose_on_device(ops: Any, sampler: DeviceSampler, logits: Any, choices: lis
         put(np.asarray([c.top_p for c in choices], np.float32)),
         put(np.asarray([c.seed for c in choices], np.uint64)),
         put(np.asarray([c.position for c in choices], np.int64)))
+
+
+def choose_on_host(logits: np.ndarray, choice: TokenChoice) -> int:
+    """The token the scheduler's host sampler picks for a row marked with `choice` (a request
+    with choices has no penalty, min_p or logprobs: apply_penalties leaves its logits as they
+    are, and sample_token sees the choice's own parameters, seed and position)."""
+    params = SamplingParams(temperature=choice.temperature, top_k=choice.top_k, top_p=choice.top_p)
+    return sample_token(logits, params, choice.seed, choice.position)
 
 
 def choose_like_target(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:

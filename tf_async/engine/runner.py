@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any, cast
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..backend.base import DeviceSampler, Ops, device_sampler
 from ..models.batch_io import check_indices, pack_batch, packed_of
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
-from .choice import choose_on_device
+from .choice import choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows
 
 KV_DTYPES = ("f32", "bf16", "fp8")
@@ -98,6 +99,8 @@ class Runner:
         saved = self.save_states(plan.rows)
         self._state_touched = False
         try:
+            if plan.steps > 1:
+                return self._forward_steps(plan.rows, plan.block_tables, plan.steps)
             return self._forward(plan.rows, plan.block_tables)
         except Exception as exc:  # noqa: BLE001 - isolate the failing request below
             if len(plan.rows) == 1:
@@ -146,6 +149,42 @@ class Runner:
                 logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
         host, tokens = self._choose(all_rows, logits)
         return self._split(all_rows, host, tokens, hidden, every_row=self.all_hidden)
+
+    def _forward_steps(self, all_rows: tuple[SeqRows, ...], tables: dict[int, tuple[int, ...]],
+                       steps: int) -> RoundResult:
+        """Decode steps (RoundPlan.steps): `steps` forwards in a row over the same streams, one
+        row each; step k's token of each row is the one chosen at step k - 1, copied where it
+        was chosen (on the GPU: device to device, so the steps run back to back with no host
+        round trip); every step's batch is packed and uploaded first, and the chosen ids of
+        all steps come to the host in one copy at the end."""
+        if self.fault_injector is not None:
+            for rows in all_rows:
+                self.fault_injector(rows)
+        step_rows = [_rows_at_step(all_rows, k) for k in range(steps)]
+        batches = [self._batch(rows, tables) for rows in step_rows]
+        chosen: list[Any] = []
+        for step, batch in zip(step_rows, batches, strict=True):
+            if chosen:
+                batch.token_ids[...] = chosen[-1]  # the previous step's choices, in row order
+            self._state_touched = True
+            with self._host_checked(batch):
+                logits, _ = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
+            chosen.append(self._choose_each(step, logits))
+        ids = self.ops.to_host(getattr(self.ops, "xp", np).stack(chosen))  # [steps, rows]
+        return RoundResult({}, {}, {}, {r.request_id: ids[:, i].tolist() for i, r in enumerate(all_rows)})
+
+    def _choose_each(self, all_rows: tuple[SeqRows, ...], logits: Any) -> Any:
+        """The token of each row (one logit row each, all with a choice) where its logits are:
+        on the device with a sampler (no copy to the host), else on the host exactly as the
+        scheduler would sample it (choice.choose_on_host). -> [rows] int64 on the ops' device."""
+        choices = [rows.choices[0] for rows in all_rows]
+        if self.sampler is None:
+            host = self.ops.to_host(logits)
+            return self.ops.asarray(np.asarray([choose_on_host(host[i], c) for i, c in enumerate(choices)],
+                                               np.int64))
+        in_graph = getattr(self.decoder, "argmax_of", None)  # GraphDecoder: argmax in its graph
+        greedy = in_graph(logits) if in_graph is not None and all(c.greedy for c in choices) else None
+        return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices)
 
     def _host_checked(self, batch: ForwardBatch) -> AbstractContextManager[Any]:
         """Check the round's indices once, on the packed host copy (NumPy, no device work),
@@ -252,6 +291,16 @@ class Runner:
         if getattr(self.decoder, "states", None) is None:
             return None
         return np.asarray(lanes, np.int32)
+
+
+def _rows_at_step(all_rows: tuple[SeqRows, ...], k: int) -> tuple[SeqRows, ...]:
+    """The rows of decode step k: each stream one position further, choosing for the next
+    position (its token is fed from step k - 1 on the device; the host copy keeps step 0's)."""
+    if k == 0:
+        return all_rows
+    return tuple(replace(rows, start_pos=rows.start_pos + k,
+                         choices=(replace(rows.choices[0], position=rows.choices[0].position + k),))
+                 for rows in all_rows)
 
 
 def _row_ids(spans: list[tuple[SeqRows, int]]) -> list[int]:

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 
 
 class Scheduler:
-    def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int, recurrent: bool = False):
+    def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int, recurrent: bool = False,
+                 decode_steps: int = 1):
         self.lanes = lanes
+        self.decode_steps = decode_steps  # forwards a pure decode round may run in a row
         self.recurrent = recurrent  # the model keeps per-lane recurrent state (hybrids)
         self.runs = lanes.runs
         self.step_tokens = step_tokens
@@ -72,9 +74,10 @@ class Scheduler:
             if rows or not self.running:
                 break
             self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
+        steps = self._steps_for(rows, pages_to_zero)
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
-                         tuple(sorted(self._lanes_to_restore)))
+                         tuple(sorted(self._lanes_to_restore)), steps)
         self._lanes_to_zero.clear()
         self._lanes_to_restore.clear()
         return plan
@@ -139,6 +142,27 @@ class Scheduler:
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, 1 + len(drafts),
                        tuple(drafts), token_choices(seq, 1 + len(drafts)))
 
+    def _steps_for(self, rows: list[SeqRows], pages_to_zero: list[int]) -> int:
+        """Decode steps of this round (RoundPlan.steps): up to `decode_steps` when every row is
+        one plain decode row whose token may be chosen where the logits are (no drafter, no
+        recurrent state, no prompt rows); no more than any stream may still take (max_tokens,
+        ctx), and each stream's run holds every step's position (else one step)."""
+        if (self.decode_steps < 2 or not rows or self.drafter is not None or self.recurrent
+                or any(len(r.token_ids) != 1 or r.num_logit_rows != 1 or not r.choices for r in rows)):
+            return 1
+        by_id = {s.request_id: s for s in self.running}
+        seqs = [by_id[r.request_id] for r in rows]
+        steps = min(self.decode_steps, *(1 + self._room_for_drafts(s) for s in seqs))
+        if steps < 2:
+            return 1
+        for seq in seqs:  # positions num_tokens - 1 .. num_tokens + steps - 2
+            assert seq.lane is not None
+            new_pages = self.runs.reserve(seq.lane, seq.num_tokens + steps - 1)
+            if new_pages is None:
+                return 1  # pages already taken stay with their run (its next rounds use them)
+            pages_to_zero.extend(new_pages)
+        return steps
+
     def _room_for_drafts(self, seq: Sequence) -> int:
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         return min(left, self.ctx - seq.num_tokens - 1)
@@ -194,7 +218,7 @@ class Scheduler:
                     continue
             seq.num_computed += len(rows.token_ids)
             if rows.num_logit_rows:
-                events.append(self._accept(seq, rows, result))
+                events.append(self._accept(seq, rows, result, plan.steps))
             elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
                 self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
         return events
@@ -213,15 +237,18 @@ class Scheduler:
 
         return self.drafter.stats() if self.drafter is not None else zero_stats()
 
-    def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:
+    def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult, steps: int = 1) -> TokenEvent:
         """Sample at each logit row (or take the token the runner chose on the device); keep
-        drafts while they equal the target's own choice."""
+        drafts while they equal the target's own choice. A round of decode steps chose one
+        token a step: they are kept up to the first that finishes the stream."""
         chosen = result.tokens.get(seq.request_id)
         logits = result.logits[seq.request_id] if chosen is None else None
         new_ids: list[int] = []
         logprobs: list[dict[int, float]] = []
         finish = None
-        for i in range(rows.num_logit_rows):
+        # decode steps: one chosen token a step (a failed round's isolated retry ran one step)
+        stepped = steps > 1 and chosen is not None and len(chosen) > rows.num_logit_rows
+        for i in range(len(chosen) if chosen is not None and stepped else rows.num_logit_rows):
             if chosen is not None:
                 token = chosen[i]
             else:
@@ -233,10 +260,10 @@ class Scheduler:
             seq.output_ids.append(token)
             new_ids.append(token)
             finish = self._finish_reason(seq, token)
-            if finish or i >= len(rows.draft_ids) or rows.draft_ids[i] != token:
+            if finish or (not stepped and (i >= len(rows.draft_ids) or rows.draft_ids[i] != token)):
                 break
         seq.num_drafted += len(rows.draft_ids)
-        seq.num_accepted += len(new_ids) - 1
+        seq.num_accepted += len(new_ids) - 1 if rows.draft_ids else 0
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
         # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
         seq.num_computed = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + len(new_ids)

@@ -99,6 +99,10 @@ class RoundPlan:
     pages_to_zero: tuple[int, ...]
     lanes_to_zero: tuple[int, ...] = ()  # lanes opened this round: recurrent state zeroed
     lanes_to_restore: tuple[int, ...] = ()  # lanes rolled back after a rejected draft
+    # Decode steps (--decode-steps): every row is one decode row with a choice, and the round
+    # runs `steps` forwards in a row, step k at start_pos + k on the token chosen at step
+    # k - 1 (fed where it was chosen: on the device, no host round trip between steps).
+    steps: int = 1
 
     @property
     def num_rows(self) -> int:

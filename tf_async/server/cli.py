@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CUDA device, replay decode rounds of dense models from captured "
                              "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="decode rounds of greedy/seeded streams run up to N forwards in a row, "
+                             "each token fed on the device (less host time a token; tokens arrive "
+                             "N at a time)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a lane; more get HTTP 429")
 
@@ -74,7 +78,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   kv_dtype=args.kv_dtype, paging=args.paging, kv_pages=args.kv_pages,
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
-                  cuda_graphs=getattr(args, "cuda_graphs", True))
+                  cuda_graphs=getattr(args, "cuda_graphs", True),
+                  decode_steps=getattr(args, "decode_steps", 1))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,155 @@
+"""Decode steps (--decode-steps N): a round of plain decode rows runs up to N forwards in a row,
+each step's token fed from the step before where it was chosen. The outputs equal one step a
+round, token for token (greedy and seeded, alone and concurrent, stopping mid-round, queued,
+paged tight), and nothing is left in use; rounds that cannot step (logprobs, drafter) run one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tf_async import BadInputError, Engine
+from tf_async.engine.sequence import RoundPlan
+
+PROMPTS = [[5, 9, 33, 2], [7, 7, 40, 12, 3], [100, 3], [61, 62, 63, 64, 65, 66]]
+
+
+def _spy_plans(eng: Engine) -> list[RoundPlan]:
+    plans: list[RoundPlan] = []
+    runner = eng.parts.runner
+    execute = runner.execute
+
+    def spy(plan: RoundPlan):  # noqa: ANN202
+        plans.append(plan)
+        return execute(plan)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return plans
+
+
+async def _run(ckpt: Any, steps: int, kwargs: list[dict[str, Any]], **engine: Any,
+               ) -> tuple[list[tuple[int, ...]], list[str | None], list[RoundPlan], dict]:
+    options = {**dict(device="cpu", parallel=4, ctx=96, page_size=4, decode_steps=steps), **engine}
+    async with Engine(ckpt, **options) as eng:
+        plans = _spy_plans(eng)
+        done = await asyncio.gather(*(eng.complete(PROMPTS[i % len(PROMPTS)], **kw)
+                                      for i, kw in enumerate(kwargs)))
+        idle = {**eng.parts.core.snapshot, "preemptions": eng.parts.scheduler.num_preemptions}
+    return [tuple(d.token_ids) for d in done], [d.finish_reason for d in done], plans, idle
+
+
+MIXED = [dict(max_tokens=13, ignore_eos=True), dict(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
+         dict(max_tokens=11, temperature=1.1, top_k=20, top_p=0.9, seed=9, ignore_eos=True),
+         dict(max_tokens=6, ignore_eos=True)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("steps", [2, 4, 7])
+async def test_decode_steps_equal_one_step_a_round(tiny_llama, steps: int) -> None:  # noqa: ANN001
+    plain, reasons, plain_plans, _ = await _run(tiny_llama, 1, MIXED)
+    stepped, stepped_reasons, plans, idle = await _run(tiny_llama, steps, MIXED)
+    assert stepped == plain and stepped_reasons == reasons
+    assert [len(t) for t in plain] == [13, 9, 11, 6]
+    assert max(p.steps for p in plans) == min(steps, 5)  # capped: the shortest stream has 5 left
+    assert len(plans) < len(plain_plans) and all(p.steps == 1 for p in plain_plans)
+    assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_stops_inside_a_round_keeps_no_later_token(tiny_llama) -> None:  # noqa: ANN001
+    free, _, _, _ = await _run(tiny_llama, 1, [dict(max_tokens=20, ignore_eos=True)])
+    stop = free[0][5]  # a token the stream produces mid-way: stopping on it ends a step early
+    first = free[0].index(stop)
+    kwargs = [dict(max_tokens=20, ignore_eos=True, stop_token_ids=[stop]),
+              dict(max_tokens=20, ignore_eos=True)]
+    plain, reasons, _, _ = await _run(tiny_llama, 1, kwargs)
+    stepped, stepped_reasons, plans, idle = await _run(tiny_llama, 8, kwargs)
+    assert stepped == plain and stepped_reasons == reasons == ["stop", "length"]
+    assert stepped[0][-1] == stop and len(stepped[0]) == first + 1
+    assert any(p.steps == 8 for p in plans)
+    assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0
+
+
+@pytest.mark.asyncio
+async def test_decode_steps_with_queued_streams_and_a_tight_page_pool(tiny_llama) -> None:  # noqa: ANN001
+    kwargs = [dict(max_tokens=30, ignore_eos=True, temperature=0.7, seed=i) for i in range(6)]
+    tight = dict(parallel=3, kv_pages=24)  # 6 streams queue for 3 lanes; pages run out: preemption
+    plain, _, _, _ = await _run(tiny_llama, 1, kwargs, **tight)
+    stepped, _, plans, idle = await _run(tiny_llama, 5, kwargs, **tight)
+    assert stepped == plain and idle["preemptions"] > 0
+    assert any(p.steps == 5 for p in plans)
+    assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0
+
+
+@pytest.mark.asyncio
+async def test_rounds_that_cannot_step_run_one_step(tiny_llama) -> None:  # noqa: ANN001
+    # logprobs are read on the host at every token: while that stream runs, rounds take one step
+    kwargs = [dict(max_tokens=12, ignore_eos=True), dict(max_tokens=5, ignore_eos=True, logprobs=2)]
+    plain, _, _, _ = await _run(tiny_llama, 1, kwargs)
+    stepped, _, plans, _ = await _run(tiny_llama, 4, kwargs)
+    assert stepped == plain
+    decode = [p for p in plans if all(len(r.token_ids) == 1 for r in p.rows)]
+    assert all(p.steps == 1 for p in decode if len(p.rows) == 2)
+    assert any(p.steps == 4 for p in decode if len(p.rows) == 1)
+    # a drafter verifies several rows a round: no decode steps at all
+    drafted, _, plans, _ = await _run(tiny_llama, 4, kwargs[:1], drafter="ngram")
+    assert drafted == plain[:1] and all(p.steps == 1 for p in plans)
+
+
+@pytest.mark.asyncio
+async def test_cancel_between_stepped_rounds_releases_everything(tiny_llama) -> None:  # noqa: ANN001
+    async with Engine(tiny_llama, device="cpu", parallel=2, ctx=96, page_size=4, decode_steps=4) as eng:
+        stream = eng.stream(PROMPTS[0], max_tokens=80, ignore_eos=True)
+        other = asyncio.ensure_future(eng.complete(PROMPTS[1], max_tokens=20, ignore_eos=True))
+        seen = 0
+        async for delta in stream:
+            seen += len(delta.token_ids)
+            if seen >= 8:
+                break
+        await stream.aclose()
+        assert len((await other).token_ids) == 20
+        for _ in range(200):
+            if eng.parts.core.snapshot["lanes_in_use"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.parts.core.snapshot["lanes_in_use"] == 0
+        assert eng.parts.core.snapshot["pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("bad", [0, 65, 2.0, True])
+def test_bad_decode_steps_is_a_clear_error(tiny_llama, bad: Any) -> None:  # noqa: ANN001
+    from tf_async.engine.build import validate_options
+
+    eng = Engine(tiny_llama, device="cpu", decode_steps=bad)
+    with pytest.raises(BadInputError, match="decode_steps"):
+        validate_options(eng.options)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> None:  # noqa: ANN001
+    from tf_async import RequestFailedError
+
+    kwargs = [dict(max_tokens=16, ignore_eos=True), dict(max_tokens=16, ignore_eos=True, seed=3, temperature=0.9)]
+    plain, _, _, _ = await _run(tiny_llama, 1, kwargs)
+    async with Engine(tiny_llama, device="cpu", parallel=4, ctx=96, page_size=4, decode_steps=4) as eng:
+        plans = _spy_plans(eng)
+
+        def inject(rows) -> None:  # noqa: ANN001 - the first request (id 1) fails mid-stream
+            if rows.request_id == 1 and rows.start_pos >= len(PROMPTS[0]) + 5:
+                raise RuntimeError("injected fault")
+
+        eng.parts.runner.fault_injector = inject
+        bad = asyncio.ensure_future(eng.complete(PROMPTS[0], **kwargs[0]))
+        await asyncio.sleep(0)
+        good = await eng.complete(PROMPTS[1], **kwargs[1])
+        with pytest.raises(RequestFailedError, match="injected fault"):
+            await bad
+        assert tuple(good.token_ids) == plain[1]
+        assert any(p.steps > 1 for p in plans)
+        for _ in range(200):
+            if eng.parts.core.snapshot["lanes_in_use"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.parts.core.snapshot["lanes_in_use"] == 0 and eng.parts.core.snapshot["pages_in_use"] == 0
