@@ -31,14 +31,15 @@ async def prefill_rate(engine: Engine, num_tokens: int) -> float:
 
 async def run_bench(model: str | None, *, device: str, parallels: list[int], max_tokens: int,
                     kv_dtype: str = "f32", repeats: int = 3, drafter: str | None = None,
-                    cuda_graphs: bool = True) -> list[dict[str, Any]]:
+                    cuda_graphs: bool = True, decode_steps: int = 1) -> list[dict[str, Any]]:
     from .engine.build import load_model
 
     ckpt = await asyncio.to_thread(load_model, model)
     rows = []
     for parallel in parallels:
         async with Engine(ckpt, device=device, parallel=parallel, ctx=1024, kv_dtype=kv_dtype,
-                          step_tokens=256, drafter=drafter, cuda_graphs=cuda_graphs) as eng:
+                          step_tokens=256, drafter=drafter, cuda_graphs=cuda_graphs,
+                          decode_steps=decode_steps) as eng:
             await eng.complete(PROMPT, max_tokens=4)  # compile / warm up
             streams = max(parallels)
             runs = [await decode_rate(eng, streams, max_tokens) for _ in range(repeats)]
@@ -52,7 +53,8 @@ async def run_bench(model: str | None, *, device: str, parallels: list[int], max
 def main_bench(args: Any) -> int:
     rows = asyncio.run(run_bench(args.model, device=args.device, parallels=args.parallel,
                                  max_tokens=args.max_tokens, kv_dtype=args.kv_dtype,
-                                 drafter=args.drafter, cuda_graphs=getattr(args, "cuda_graphs", True)))
+                                 drafter=args.drafter, cuda_graphs=getattr(args, "cuda_graphs", True),
+                                 decode_steps=getattr(args, "decode_steps", 1)))
     base = rows[0]["decode_tok_s"]
     print(f"{'parallel':>8} {'streams':>7} {'decode tok/s':>13} {'x parallel=' + str(rows[0]['parallel']):>14} {'prefill tok/s':>14}")
     for r in rows:

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_engine_args(bench)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8])
     bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--decode-steps", type=int, default=1,
+                       help="forwards a decode round may run in a row (tokens fed on the device)")
     return parser
 
 

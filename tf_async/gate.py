@@ -124,6 +124,8 @@ class GateRun:
         for step in (1, 3, 7):
             got = await self.outputs(f"stepped{step}", mode, dict(parallel=4, step_tokens=step))
             rows.append(GateRow(f"stepped == whole (step {step})", mode, _count(got, solo), total))
+        got = await self.outputs("decode-steps", mode, dict(parallel=4, step_tokens=64, decode_steps=4))
+        rows.append(GateRow("decode steps == one step (4)", mode, _count(got, solo), total))
         for spec in drafters:
             got = await self.outputs(f"drafted-{spec}", mode, dict(
                 parallel=4, step_tokens=64, drafter=spec, draft_tokens=draft_tokens))
