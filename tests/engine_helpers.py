@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tf_async import Engine
+from tf_async.engine.sequence import RoundPlan
 
 T = TypeVar("T")
 STUCK_AFTER_S = 60.0  # far beyond any tiny-model run: only a stuck engine gets there
@@ -60,3 +61,16 @@ async def run_with_cancels(eng: Engine, prompts: list[str] | tuple[str, ...],
     # A leaked lane would leave the other streams queued forever: fail instead of hanging.
     gathered = asyncio.gather(*tasks, return_exceptions=True)
     return list(await asyncio.wait_for(gathered, timeout=STUCK_AFTER_S))
+
+
+def record_plans(eng: Engine) -> list[RoundPlan]:
+    plans: list[RoundPlan] = []
+    runner = eng.parts.runner
+    execute = runner.execute
+
+    def spy(plan: RoundPlan):  # noqa: ANN202
+        plans.append(plan)
+        return execute(plan)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return plans

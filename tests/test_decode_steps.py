@@ -10,30 +10,18 @@ from typing import Any
 
 import pytest
 
+from tests.engine_helpers import record_plans
 from tf_async import BadInputError, Engine
 from tf_async.engine.sequence import RoundPlan
 
 PROMPTS = [[5, 9, 33, 2], [7, 7, 40, 12, 3], [100, 3], [61, 62, 63, 64, 65, 66]]
 
 
-def _spy_plans(eng: Engine) -> list[RoundPlan]:
-    plans: list[RoundPlan] = []
-    runner = eng.parts.runner
-    execute = runner.execute
-
-    def spy(plan: RoundPlan):  # noqa: ANN202
-        plans.append(plan)
-        return execute(plan)
-
-    runner.execute = spy  # type: ignore[method-assign]
-    return plans
-
-
 async def _run(ckpt: Any, steps: int, kwargs: list[dict[str, Any]], **engine: Any,
                ) -> tuple[list[tuple[int, ...]], list[str | None], list[RoundPlan], dict]:
     options = {**dict(device="cpu", parallel=4, ctx=96, page_size=4, decode_steps=steps), **engine}
     async with Engine(ckpt, **options) as eng:
-        plans = _spy_plans(eng)
+        plans = record_plans(eng)
         done = await asyncio.gather(*(eng.complete(PROMPTS[i % len(PROMPTS)], **kw)
                                       for i, kw in enumerate(kwargs)))
         idle = {**eng.parts.core.snapshot, "preemptions": eng.parts.scheduler.num_preemptions}
@@ -134,7 +122,7 @@ async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> Non
     kwargs = [dict(max_tokens=16, ignore_eos=True), dict(max_tokens=16, ignore_eos=True, seed=3, temperature=0.9)]
     plain, _, _, _ = await _run(tiny_llama, 1, kwargs)
     async with Engine(tiny_llama, device="cpu", parallel=4, ctx=96, page_size=4, decode_steps=4) as eng:
-        plans = _spy_plans(eng)
+        plans = record_plans(eng)
 
         def inject(rows) -> None:  # noqa: ANN001 - the first request (id 1) fails mid-stream
             if rows.request_id == 1 and rows.start_pos >= len(PROMPTS[0]) + 5:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.engine_helpers import engines_on_ops, idle_stats
+from tests.engine_helpers import engines_on_ops, idle_stats, record_plans
 from tf_async import Engine
 from tf_async.api_types import SamplingParams
 from tf_async.backend.base import device_sampler
@@ -183,19 +183,6 @@ def make_engine(ckpt, **kw: Any) -> Engine:
     eng = Engine(ckpt, **{**opts, **kw})
     eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams
     return eng
-
-
-def record_plans(eng: Engine) -> list[RoundPlan]:
-    plans: list[RoundPlan] = []
-    runner = eng.parts.runner
-    execute = runner.execute
-
-    def spy(plan: RoundPlan):  # noqa: ANN202
-        plans.append(plan)
-        return execute(plan)
-
-    runner.execute = spy  # type: ignore[method-assign]
-    return plans
 
 
 def check_plan_choices(plans: list[RoundPlan], device_ids: set[int]) -> int:
