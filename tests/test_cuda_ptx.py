@@ -56,7 +56,7 @@ print(json.dumps(out))
 
 def _ptx(cc: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, cc], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     if proc.returncode != 0 and "CudaUnavailableError" in proc.stderr:

@@ -511,3 +511,20 @@ def test_sampling(ops, rng) -> None:  # noqa: ANN001
         assert got[r] == ref._sample_ref(logits[r], temps[r], top_ks[r], top_ps[r], u), r
     solo = ops.to_host(ops.sample(*[a[3:4] for a in args]))
     assert solo[0] == got[3]
+
+
+def test_int8_rows_for_another_weight_kind_is_a_clear_error(ops, rng) -> None:  # noqa: ANN001
+    """Int8Rows made for a 4-bit weight (q4 byte order) refused by an 8-bit one, and by a
+    weight that takes float32 x (group of 16), with a clear BadInputError."""
+    from tf_async.errors import BadInputError
+    from tf_async.models.weights import quantize_affine
+
+    def weight(bits, group):  # noqa: ANN001, ANN202
+        return ops.upload_linear(quantize_affine(rng.standard_normal((64, 256)).astype(np.float32), bits, group))
+
+    x = ops.asarray(rng.standard_normal((3, 256)).astype(np.float32))
+    norm = ops.asarray(np.ones(256, np.float32))
+    rows_q4 = ops.rms_norm_for(x, norm, 1e-6, weight(4, 64))
+    for other in (weight(8, 64), weight(4, 16)):
+        with pytest.raises(BadInputError, match="int8 rows"):
+            ops.linear(rows_q4, other)
