@@ -92,8 +92,9 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
         return made[-1]
 
     monkeypatch.setattr(build, "_maybe_graphs", recorded)
-    rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256)
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1) + 1)
+    rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256,
+                                 drafters=("ngram",))  # verify rounds replay graphs too
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
     assert made and all(isinstance(g, GraphDecoder) for g in made)
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
