@@ -141,3 +141,22 @@ async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> Non
                 break
             await asyncio.sleep(0.01)
         assert eng.parts.core.snapshot["lanes_in_use"] == 0 and eng.parts.core.snapshot["pages_in_use"] == 0
+
+
+@pytest.mark.asyncio
+async def test_decode_steps_with_a_device_sampler(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+    """On ops that choose tokens where the logits are (the CPU stand-in of the GPU's sampler):
+    the steps feed each chosen id on the 'device', upload the seeded rows' sampler arrays before
+    the first step, copy no logits and only the ids of all steps at once; same outputs."""
+    from tests.engine_helpers import engines_on_ops
+    from tests.test_device_sampling import DeviceStyleOps
+
+    made = engines_on_ops(monkeypatch, DeviceStyleOps)
+    plain, _, _, _ = await _run(tiny_llama, 1, MIXED)
+    stepped, _, plans, idle = await _run(tiny_llama, 4, MIXED)
+    assert stepped == plain and any(p.steps == 4 for p in plans)
+    ops = made[-1]
+    assert ops.logit_copies() == []
+    assert ((4, 4), "int64") in ops.copies  # 4 steps x 4 streams of ids in one copy
+    assert ("sample", 4) in ops.launches  # the seeded rows of a stepped round, on the device
+    assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0

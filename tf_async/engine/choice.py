@@ -50,21 +50,27 @@ def token_choices(seq: Sequence, num_rows: int) -> tuple[TokenChoice, ...]:
                  for i in range(num_rows))
 
 
-def choose_on_device(ops: Any, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice]) -> Any:
+def choose_on_device(ops: Any, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice],
+                     uploaded: tuple[Any, ...] | None = None) -> Any:
     """One launch over logits [rows, V] (device): argmax when every row is greedy, else the
     seeded sampler (which is argmax too at temperature 0). Both pick the largest logit with
     ties to the lowest id, exactly as sample_token's np.argmax (first maximum); they differ
-    only on NaN logits, which the device skips and np.argmax returns. -> [rows] int64 (device)."""
+    only on NaN logits, which the device skips and np.argmax returns. `uploaded`: the choices'
+    arrays already on the device (choice_arrays). -> [rows] int64 (device)."""
     if all(c.greedy for c in choices):
         return sampler.argmax(logits)
+    return sampler.sample(logits, *(uploaded if uploaded is not None else choice_arrays(ops, choices)))
+
+
+def choice_arrays(ops: Any, choices: list[TokenChoice]) -> tuple[Any, ...]:
+    """The sampler's per-row arrays of `choices` on the ops' device: temperatures, top_k, top_p,
+    seeds, positions."""
     put = ops.asarray
-    return sampler.sample(
-        logits,
-        put(np.asarray([c.temperature for c in choices], np.float32)),
-        put(np.asarray([c.top_k for c in choices], np.int32)),
-        put(np.asarray([c.top_p for c in choices], np.float32)),
-        put(np.asarray([c.seed for c in choices], np.uint64)),
-        put(np.asarray([c.position for c in choices], np.int64)))
+    return (put(np.asarray([c.temperature for c in choices], np.float32)),
+            put(np.asarray([c.top_k for c in choices], np.int32)),
+            put(np.asarray([c.top_p for c in choices], np.float32)),
+            put(np.asarray([c.seed for c in choices], np.uint64)),
+            put(np.asarray([c.position for c in choices], np.int64)))
 
 
 def choose_on_host(logits: np.ndarray, choice: TokenChoice) -> int:

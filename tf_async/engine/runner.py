@@ -21,7 +21,7 @@ from ..backend.base import DeviceSampler, Ops, device_sampler
 from ..models.batch_io import check_indices, pack_batch, packed_of
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
-from .choice import choose_on_device, choose_on_host
+from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows
 
 KV_DTYPES = ("f32", "bf16", "fp8")
@@ -162,18 +162,22 @@ class Runner:
                 self.fault_injector(rows)
         step_rows = [_rows_at_step(all_rows, k) for k in range(steps)]
         batches = [self._batch(rows, tables) for rows in step_rows]
+        # Seeded rows: every step's sampler arrays uploaded now, none between the steps.
+        seeded = self.sampler is not None and not all(r.choices[0].greedy for r in all_rows)
+        uploads = [choice_arrays(self.ops, [r.choices[0] for r in rows]) if seeded else None
+                   for rows in step_rows]
         chosen: list[Any] = []
-        for step, batch in zip(step_rows, batches, strict=True):
+        for step, batch, uploaded in zip(step_rows, batches, uploads, strict=True):
             if chosen:
                 batch.token_ids[...] = chosen[-1]  # the previous step's choices, in row order
             self._state_touched = True
             with self._host_checked(batch):
                 logits, _ = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
-            chosen.append(self._choose_each(step, logits))
+            chosen.append(self._choose_each(step, logits, uploaded))
         ids = self.ops.to_host(getattr(self.ops, "xp", np).stack(chosen))  # [steps, rows]
         return RoundResult({}, {}, {}, {r.request_id: ids[:, i].tolist() for i, r in enumerate(all_rows)})
 
-    def _choose_each(self, all_rows: tuple[SeqRows, ...], logits: Any) -> Any:
+    def _choose_each(self, all_rows: tuple[SeqRows, ...], logits: Any, uploaded: tuple[Any, ...] | None) -> Any:
         """The token of each row (one logit row each, all with a choice) where its logits are:
         on the device with a sampler (no copy to the host), else on the host exactly as the
         scheduler would sample it (choice.choose_on_host). -> [rows] int64 on the ops' device."""
@@ -184,7 +188,8 @@ class Runner:
                                                np.int64))
         in_graph = getattr(self.decoder, "argmax_of", None)  # GraphDecoder: argmax in its graph
         greedy = in_graph(logits) if in_graph is not None and all(c.greedy for c in choices) else None
-        return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices)
+        return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices,
+                                                                  uploaded)
 
     def _host_checked(self, batch: ForwardBatch) -> AbstractContextManager[Any]:
         """Check the round's indices once, on the packed host copy (NumPy, no device work),
