@@ -260,6 +260,30 @@ def test_graph_decoder_leaves_the_check_to_a_caller_that_ran_it() -> None:
         graphed.forward(batch, kv, np.ones((1, 2), np.float32))
 
 
+def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past max_graphs captured shapes a new shape runs eagerly (each shape keeps its own
+    memory pool); the shapes already captured still replay."""
+    graphed = _graph_decoder()
+    graphed.ops.device_checks = False
+    graphed.max_graphs = 2
+    calls: list[str] = []
+    graphed.decoder.forward = lambda batch, kv, scales: calls.append("eager") or ("logits", "hidden")
+    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales: (calls.append("capture") or "cap",
+                                                                          ("logits", "hidden")))
+    monkeypatch.setattr(graphed, "_replay", lambda cap, batch: calls.append("replay") or ("logits", "hidden"))
+    kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
+
+    def round_of(rows: int) -> ForwardBatch:
+        return pack_batch(CpuOps(), token_ids=[3] * rows, positions=[2] * rows, row_seq=list(range(rows)),
+                          block_table=np.zeros((rows, 4), np.int32), logit_rows=list(range(rows)),
+                          page_size=PAGE, slots=[6] * rows)
+
+    for rows in (1, 2, 3, 1, 3, 2):
+        graphed.forward(round_of(rows), kv, np.ones((1, 2), np.float32))
+    assert calls == ["capture", "capture", "eager", "replay", "eager", "replay"]
+    assert len(graphed._graphs) == 2
+
+
 def _captured(batch: ForwardBatch, max_pages: int) -> Any:
     from tf_async.models.graph_decoder import _Captured, _static_batch
 

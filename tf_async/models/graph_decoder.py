@@ -8,7 +8,8 @@ buffers and replay it. The replay runs the same kernels on the same values, so i
 are bit-identical to the eager forward's and every gate holds unchanged.
 
 Which rounds: every row wants logits (decode rows, draft verification rows) and there are
-at most `max_rows` rows; anything else (prompt steps) runs eagerly. The static block table
+at most `max_rows` rows; anything else (prompt steps) runs eagerly, as do new shapes once
+`max_graphs` shapes are captured (each keeps a memory pool of its own). The static block table
 is as wide as the arena has pages; attention reads only the entries a row's position needs
 (positions are checked against the round's own width), so the padding never changes a value.
 
@@ -63,7 +64,8 @@ class _Captured:
 class GraphDecoder:
     """Same interface as Decoder (config, ops, weights, forward); wraps one Decoder on CudaOps."""
 
-    def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True):
+    def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True,
+                 max_graphs: int = 32):
         if decoder.ops.name != "cuda":
             raise BadInputError("CUDA graphs need the cuda device", param="device")
         self.decoder = decoder
@@ -71,6 +73,9 @@ class GraphDecoder:
         self.ops = decoder.ops
         self.weights = decoder.weights
         self.max_rows = max_rows
+        # Each captured shape keeps its own memory pool: past `max_graphs` shapes (drafting
+        # at a high --parallel makes many), new shapes run eagerly (same bits).
+        self.max_graphs = max_graphs
         # Programmatic edges between the round's kernels where the GPU and driver allow
         # (cuda_kernels/graphs.py): the same kernels in the same order, launched sooner.
         self.programmatic = programmatic
@@ -107,6 +112,8 @@ class GraphDecoder:
                 self._check_indices(batch, kv)
         key = (rows, seqs, batch.page_size, id(kv), id(kv_scales))
         captured = self._graphs.get(key)
+        if captured is None and len(self._graphs) >= self.max_graphs:
+            return self.decoder.forward(batch, kv, kv_scales)
         if captured is None:
             captured, outputs = self._capture(batch, kv, kv_scales)
             self._graphs[key] = captured
