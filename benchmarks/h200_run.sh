@@ -2,7 +2,8 @@
 # The GPU work of a session in one call on a lent H200 (see docs/PERFORMANCE.md for what each
 # stage printed last time). Stages, in the order given:
 #   kernels  pytest -m gpu tests/test_gpu_kernels.py
-#   engine   pytest -m gpu tests/test_gpu_engine.py tests/test_device_sampling.py (no default model)
+#   engine   pytest -m gpu tests/test_gpu_engine.py tests/test_device_sampling.py tests/test_gpu_graphs.py
+#            (no default model)
 #   default  pytest -m gpu tests/test_gpu_engine.py -k default_model (needs the GGUF, below)
 #   qwen35   pytest -m gpu tests/test_gpu_qwen35.py
 #   ops      benchmarks/bench_decode_ops.py
@@ -46,7 +47,7 @@ PYTEST=(python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=5)
 for stage in "$@"; do
   case $stage in
     kernels) run kernels 300 "${PYTEST[@]}" tests/test_gpu_kernels.py ;;
-    engine) run engine 300 "${PYTEST[@]}" tests/test_gpu_engine.py tests/test_device_sampling.py \
+    engine) run engine 360 "${PYTEST[@]}" tests/test_gpu_engine.py tests/test_device_sampling.py tests/test_gpu_graphs.py \
               -k "not default_model" ;;
     default) run default 150 "${PYTEST[@]}" tests/test_gpu_engine.py -k default_model ;;
     qwen35) run qwen35 400 "${PYTEST[@]}" tests/test_gpu_qwen35.py ;;
