@@ -24,8 +24,11 @@ def qdot_variants(rows: int, out_f: int) -> list:  # noqa: ANN201
     from cuda_kernels import qdot
 
     if rows > 2:
+        # 16 rows a block read each weight half as often as 8 (prompt steps); ptxas (sm_90):
+        # (8,4) 228 registers, (16,2) 186, (16,4) 252, (32,2) spills
         return [qdot.plan(rows, out_f, "many"), mm.Variant(4, 4, 1, True), mm.Variant(8, 4, 1, True),
-                mm.Variant(8, 2, 1, True), mm.Variant(8, 4, 1, True, 8)]
+                mm.Variant(8, 2, 1, True), mm.Variant(8, 4, 1, True, 8), mm.Variant(16, 2, 1, True),
+                mm.Variant(16, 2, 1, True, 8)]
     out = [qdot.plan(rows, out_f, "few")]
     for warps, feats, unroll in ((4, 1, 4), (4, 2, 1), (4, 2, 4), (4, 4, 1), (4, 4, 2), (8, 2, 2), (8, 1, 4)):
         out.append(mm.Variant(rows, feats, unroll, True, warps))
