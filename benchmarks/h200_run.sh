@@ -11,6 +11,7 @@
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
 #   q4       benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch (quick)
 #   steps    the q4 batch-1 bench, plus rounds of 1, 4 and 8 decode steps through the Runner
+#   prompt   benchmarks/bench_qdot.py --rows 64,512 (the many-rows q4 variants, prompt steps)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
 #   launch   benchmarks/bench_launch.py (host cost of one eager op, in parts)
 #   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
@@ -55,6 +56,7 @@ for stage in "$@"; do
     variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
     q4) run q4 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch ;;
+    prompt) run prompt 200 python3 benchmarks/bench_qdot.py --rows 64,512 ;;
     steps) run steps 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch \
              --decode-steps 1,4,8 ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
