@@ -32,3 +32,11 @@ def test_cpu_decoder_is_never_wrapped(tiny_llama) -> None:  # noqa: ANN001
 
     decoder = Decoder(tiny_llama, CpuOps())
     assert _maybe_graphs(decoder, {"cuda_graphs": True}) is decoder
+
+
+def test_bad_engine_flag_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from tf_async.cli import main
+
+    assert main(["serve", "--decode-steps", "0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "tf-async serve: error: decode_steps must be in [1, 64]"

@@ -37,6 +37,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from .errors import BadInputError
+
+    try:
+        return _run(args)
+    except BadInputError as exc:  # a bad flag or model: its message, not a traceback
+        print(f"tf-async {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from .server.cli import run_serve
 
