@@ -25,7 +25,19 @@ async def _run(ckpt: Any, steps: int, kwargs: list[dict[str, Any]], **engine: An
         done = await asyncio.gather(*(eng.complete(PROMPTS[i % len(PROMPTS)], **kw)
                                       for i, kw in enumerate(kwargs)))
         idle = {**eng.parts.core.snapshot, "preemptions": eng.parts.scheduler.num_preemptions}
+    _assert_new_pages_zeroed(plans)
     return [tuple(d.token_ids) for d in done], [d.finish_reason for d in done], plans, idle
+
+
+def _assert_new_pages_zeroed(plans: list[RoundPlan]) -> None:
+    """Every page a lane's table gains in a round (a stepped round reserves every step's
+    pages) is zeroed in that round, before the forward writes into it."""
+    held: dict[int, set[int]] = {}
+    for plan in plans:
+        for lane, pages in plan.block_tables.items():
+            gained = set(pages) - held.get(lane, set())
+            assert gained <= set(plan.pages_to_zero), (lane, gained, plan.pages_to_zero)
+            held[lane] = set(pages)
 
 
 MIXED = [dict(max_tokens=13, ignore_eos=True), dict(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True),
