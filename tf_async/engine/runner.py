@@ -22,7 +22,7 @@ from ..models.batch_io import check_indices, pack_batch, packed_of
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
-from .sequence import RoundPlan, RoundResult, SeqRows
+from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
 
 KV_DTYPES = ("f32", "bf16", "fp8")
 
@@ -186,7 +186,13 @@ class Runner:
             host = self.ops.to_host(logits)
             return self.ops.asarray(np.asarray([choose_on_host(host[i], c) for i, c in enumerate(choices)],
                                                np.int64))
-        in_graph = getattr(self.decoder, "argmax_of", None)  # GraphDecoder: argmax in its graph
+        return self._on_device(logits, choices, uploaded)
+
+    def _on_device(self, logits: Any, choices: list[TokenChoice], uploaded: tuple[Any, ...] | None = None) -> Any:
+        """The chosen ids [rows] (device) of logits [rows, V]: the graph's own argmax when the
+        decoder replayed them and every row is greedy (GraphDecoder), else one launch."""
+        assert self.sampler is not None
+        in_graph = getattr(self.decoder, "argmax_of", None)
         greedy = in_graph(logits) if in_graph is not None and all(c.greedy for c in choices) else None
         return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices,
                                                                   uploaded)
@@ -219,13 +225,8 @@ class Runner:
         if not on_device:  # CPU, or no request can skip the host: today's path, bit for bit
             host = self.ops.to_host(logits)
             return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
-        assert sampler is not None
         rows = self._take(logits, _row_ids(on_device))
-        choices = [c for r, _ in on_device for c in r.choices]
-        in_graph = getattr(self.decoder, "argmax_of", None)  # GraphDecoder: argmax in its graph
-        greedy = in_graph(rows) if in_graph is not None and all(c.greedy for c in choices) else None
-        chosen = self.ops.to_host(greedy if greedy is not None else
-                                  choose_on_device(self.ops, sampler, rows, choices))
+        chosen = self.ops.to_host(self._on_device(rows, [c for r, _ in on_device for c in r.choices]))
         tokens = {r.request_id: ids.tolist() for r, ids in _per_request(on_device, chosen)}
         on_host = [(r, s) for r, s in spans if r.request_id not in tokens]
         if not on_host:

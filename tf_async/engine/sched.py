@@ -218,7 +218,7 @@ class Scheduler:
                     continue
             seq.num_computed += len(rows.token_ids)
             if rows.num_logit_rows:
-                events.append(self._accept(seq, rows, result, plan.steps))
+                events.append(self._accept(seq, rows, result))
             elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
                 self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
         return events
@@ -237,7 +237,7 @@ class Scheduler:
 
         return self.drafter.stats() if self.drafter is not None else zero_stats()
 
-    def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult, steps: int = 1) -> TokenEvent:
+    def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:
         """Sample at each logit row (or take the token the runner chose on the device); keep
         drafts while they equal the target's own choice. A round of decode steps chose one
         token a step: they are kept up to the first that finishes the stream."""
@@ -246,8 +246,9 @@ class Scheduler:
         new_ids: list[int] = []
         logprobs: list[dict[int, float]] = []
         finish = None
-        # decode steps: one chosen token a step (a failed round's isolated retry ran one step)
-        stepped = steps > 1 and chosen is not None and len(chosen) > rows.num_logit_rows
+        # decode steps: one chosen token a step, more than the row's logit rows (a failed
+        # round's isolated retry ran one step and chose one)
+        stepped = chosen is not None and len(chosen) > rows.num_logit_rows
         for i in range(len(chosen) if chosen is not None and stepped else rows.num_logit_rows):
             if chosen is not None:
                 token = chosen[i]
