@@ -272,6 +272,7 @@ def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.Mo
                                                                           ("logits", "hidden")))
     monkeypatch.setattr(graphed, "_replay", lambda cap, batch: calls.append("replay") or ("logits", "hidden"))
     kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
+    scales = np.ones((1, 2), np.float32)  # one array: the shape key holds the cache's ids
 
     def round_of(rows: int) -> ForwardBatch:
         return pack_batch(CpuOps(), token_ids=[3] * rows, positions=[2] * rows, row_seq=list(range(rows)),
@@ -279,7 +280,7 @@ def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.Mo
                           page_size=PAGE, slots=[6] * rows)
 
     for rows in (1, 2, 3, 1, 3, 2):
-        graphed.forward(round_of(rows), kv, np.ones((1, 2), np.float32))
+        graphed.forward(round_of(rows), kv, scales)
     assert calls == ["capture", "capture", "eager", "replay", "eager", "replay"]
     assert len(graphed._graphs) == 2
 
