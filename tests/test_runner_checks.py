@@ -85,3 +85,24 @@ def check_refusals(runner, ops: CheckTrackingOps) -> None:  # noqa: ANN001
         with pytest.raises(BadInputError, match="out of range"):
             runner._host_checked(pack_batch(ops, **{**good, **change}))
         assert ops.device_checks
+
+
+async def test_a_row_past_its_lanes_pages_is_refused_not_read_from_another_lane(tiny_llama, tracking_ops) -> None:
+    """A lane's table row is padded to the round's widest table: the padding is no page, so a
+    row at a position its lane holds no page for (a scheduler bug) fails the check instead
+    of reading the padding as a page, page 0, which another lane holds here."""
+    from tf_async.engine.sequence import SeqRows
+
+    async with Engine(tiny_llama, device="cpu", parallel=2, ctx=64, page_size=4) as eng:
+        await eng.complete([1, 2], max_tokens=1)  # builds the engine
+        assert eng.parts is not None
+        runner = eng.parts.runner
+        tables = {0: (5,), 1: (6, 7, 0)}  # lane 1 holds page 0; lane 0 holds one page
+        inside = SeqRows(request_id=1, lane=1, start_pos=9, token_ids=(3,), num_logit_rows=1)
+        past = SeqRows(request_id=2, lane=0, start_pos=8, token_ids=(3,), num_logit_rows=1)
+        runner._forward((inside,), tables)  # a row inside its lane's pages runs
+        with pytest.raises(BadInputError, match="out of range"):  # the runner's host check
+            runner._forward((inside, past), tables)
+        tracking_ops[0].unchecked = None  # no host check: the backend's own checks refuse it
+        with pytest.raises(ValueError, match="must lie in|outside"):
+            runner._forward((inside, past), tables)

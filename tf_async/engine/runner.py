@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..backend.base import DeviceSampler, Ops, device_sampler
-from ..models.batch_io import check_indices, pack_batch, packed_of
+from ..models.batch_io import NO_PAGE, check_indices, pack_batch, packed_of
 from ..models.decoder import Decoder, ForwardBatch
 from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
@@ -271,7 +271,9 @@ class Runner:
         lanes = sorted({r.lane for r in all_rows})
         seq_of_lane = {lane: i for i, lane in enumerate(lanes)}
         max_pages = max(1, max(len(tables[lane]) for lane in lanes))
-        block_table = np.zeros((len(lanes), max_pages), np.int32)
+        # Padding past a lane's own pages is NO_PAGE, never a page: a row at a position its
+        # lane holds no page for fails the index checks instead of reading page 0.
+        block_table = np.full((len(lanes), max_pages), NO_PAGE, np.int32)
         for lane in lanes:
             block_table[seq_of_lane[lane], : len(tables[lane])] = tables[lane]
         tokens: list[int] = []

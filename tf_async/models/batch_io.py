@@ -33,6 +33,7 @@ from ..errors import BadInputError
 from .decoder import ForwardBatch
 
 FIELDS = ("token_ids", "positions", "slots", "row_seq", "block_table", "logit_rows")
+NO_PAGE = -1  # a block table's padding past a stream's own pages: no page (fails the checks)
 
 
 class BatchViews(NamedTuple):
