@@ -55,6 +55,10 @@ class _Captured:
     layout: Layout  # of the static input buffer
     buffer: Array  # [layout.words] int64, the static inputs packed
     batch: ForwardBatch  # static input buffers: views of `buffer`
+    # The cache arrays the graph's kernels address: held, so that their ids (in the shape
+    # key) cannot pass to other arrays while the graph that writes them exists.
+    kv: Array = None
+    kv_scales: Array = None
     graph: Any = None
     logits: Array = None
     hidden: Array = None
@@ -144,7 +148,7 @@ class GraphDecoder:
         # A blocking stream: ordered with the legacy default stream the engine uses.
         layout, buffer, static = _static_batch(xp, batch, kv)
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
-                        static)
+                        static, kv, kv_scales)
         cap.stream.wait_event(caller.record())
         with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():  # type: ignore[attr-defined]
             _load(xp, cap, batch)
