@@ -6,32 +6,21 @@ import argparse
 import sys
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder, MLX folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "fp8"])
-    p.add_argument("--drafter", default=None, help="ngram | draft:PATH | mtp")
-    p.add_argument("--draft-tokens", type=int, default=4)
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a CUDA device, replay decode rounds from captured CUDA graphs")
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tf-async", description="tf_async LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .server.cli import add_chat_args, add_serve_args
+    from .server.cli import add_chat_args, add_decode_steps_arg, add_model_args, add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     add_chat_args(sub.add_parser("chat", help="terminal chat client"))
     gate = sub.add_parser("gate", help="run the gates and print a table")
-    _add_engine_args(gate)
+    add_model_args(gate)
     gate.add_argument("--max-tokens", type=int, default=16)
     bench = sub.add_parser("bench", help="decode/prefill throughput of the engine")
-    _add_engine_args(bench)
+    add_model_args(bench)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8])
     bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--decode-steps", type=int, default=1,
-                       help="forwards a decode round may run in a row (tokens fed on the device)")
+    add_decode_steps_arg(bench)
     return parser
 
 

@@ -29,29 +29,38 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the model and how it runs (shared by serve, chat, gate and bench)."""
+    parser.add_argument("--model", default=None,
+                        help="HF folder, MLX folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--kv-dtype", default="f32", choices=("f32", "bf16", "fp8"))
+    parser.add_argument("--drafter", default=None, help="speculative drafter: ngram, mtp or draft:PATH")
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CUDA device, replay decode rounds of dense models from captured "
+                             "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
+
+
+def add_decode_steps_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="decode rounds of greedy/seeded streams run up to N forwards in a row, "
+                             "each token fed on the device (less host time a token; tokens arrive "
+                             "N at a time)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that build an Engine (shared by serve and in-process chat)."""
-    parser.add_argument("--model", default=None,
-                        help="checkpoint folder or file (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_model_args(parser)
     parser.add_argument("--parallel", type=int, default=4, help="lanes (concurrent streams)")
     parser.add_argument("--ctx", type=int, default=4096, help="context rows per stream")
-    parser.add_argument("--kv-dtype", default="f32", choices=("f32", "bf16", "fp8"))
     parser.add_argument("--kv-pages", type=int, default=_env_int("TF_KV_PAGES"),
                         help="KV page pool size with paging (env TF_KV_PAGES)")
     parser.add_argument("--paging", action=argparse.BooleanOptionalAction, default=True,
                         help="take KV pages on demand from a shared pool")
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="prompt tokens per round (stepped prefill)")
-    parser.add_argument("--drafter", default=None, help="speculative drafter (mtp, ngram, path)")
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on a CUDA device, replay decode rounds of dense models from captured "
-                             "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
-    parser.add_argument("--decode-steps", type=int, default=1,
-                        help="decode rounds of greedy/seeded streams run up to N forwards in a row, "
-                             "each token fed on the device (less host time a token; tokens arrive "
-                             "N at a time)")
+    add_decode_steps_arg(parser)
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a lane; more get HTTP 429")
 
