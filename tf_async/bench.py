@@ -53,8 +53,8 @@ async def run_bench(model: str | None, *, device: str, parallels: list[int], max
 def main_bench(args: Any) -> int:
     rows = asyncio.run(run_bench(args.model, device=args.device, parallels=args.parallel,
                                  max_tokens=args.max_tokens, kv_dtype=args.kv_dtype,
-                                 drafter=args.drafter, cuda_graphs=getattr(args, "cuda_graphs", True),
-                                 decode_steps=getattr(args, "decode_steps", 1)))
+                                 drafter=args.drafter, cuda_graphs=args.cuda_graphs,
+                                 decode_steps=args.decode_steps))
     base = rows[0]["decode_tok_s"]
     print(f"{'parallel':>8} {'streams':>7} {'decode tok/s':>13} {'x parallel=' + str(rows[0]['parallel']):>14} {'prefill tok/s':>14}")
     for r in rows:

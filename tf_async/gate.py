@@ -146,7 +146,7 @@ def main_gate(args: Any) -> int:
     rows, _ = asyncio.run(run_gates(args.model, device=args.device, kv_dtype=args.kv_dtype,
                                     max_tokens=args.max_tokens, drafter=args.drafter,
                                     draft_tokens=args.draft_tokens,
-                                    cuda_graphs=getattr(args, "cuda_graphs", True)))
+                                    cuda_graphs=args.cuda_graphs))
     print(format_table(rows))
     print(f"\n{sum(r.ok for r in rows)}/{len(rows)} gates pass ({time.perf_counter() - t0:.1f} s)")
     return 0 if all(r.ok for r in rows) else 1

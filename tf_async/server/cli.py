@@ -87,8 +87,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   kv_dtype=args.kv_dtype, paging=args.paging, kv_pages=args.kv_pages,
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
-                  cuda_graphs=getattr(args, "cuda_graphs", True),
-                  decode_steps=getattr(args, "decode_steps", 1))
+                  cuda_graphs=args.cuda_graphs,
+                  decode_steps=args.decode_steps)
 
 
 def run_serve(args: argparse.Namespace) -> int:
