@@ -18,6 +18,7 @@ from aiohttp import web
 
 from ..errors import BadInputError, QueueFullError
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import JsonErrorRunner, client_fault_reason
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -131,7 +132,15 @@ class Server:
         if request.content_type != "application/json":
             raise HttpError(415, f"Content-Type must be application/json, not "
                             f"{request.content_type}", code="unsupported_media_type")
-        return decode(await request.read(), kind)
+        try:
+            return decode(await request.read(), kind)
+        except (web.RequestPayloadError, BadInputError) as exc:
+            if _client_gone(request):  # a body cut short by a client that left: a disconnect
+                raise ConnectionResetError("the client went away while sending the body") from exc
+            if isinstance(exc, BadInputError):
+                raise
+            raise BadInputError(f"cannot read the request body: {client_fault_reason(exc)}",
+                                code="invalid_body") from None
 
     def max_tokens_for(self, requested: int | None, default: int) -> int:
         ctx = int(self.engine.ctx)
@@ -247,6 +256,10 @@ class Server:
         return web.FileResponse(STATIC_DIR / "index.html")
 
 
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
 def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
@@ -326,8 +339,9 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
 
 async def start_server(app: web.Application, host: str = "127.0.0.1",
                        port: int = 8000) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0 = an ephemeral port); returns the runner and the port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serve `app` on host:port (0 = an ephemeral port); returns the runner and the port.
+    A client's malformed HTTP is answered as the OpenAI error JSON (server/protocol.py)."""
+    runner = JsonErrorRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -88,7 +88,7 @@ class ChatSocket:
             return
         # A task cancelled before its first step never enters run_chat's try (no `done`):
         # let it start first. Tasks start in the order they were made, so this is one yield.
-        while inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+        while _not_started(task):
             await asyncio.sleep(0)
         if not task.cancelling():  # a second cancel must not interrupt the first one's `done`
             task.cancel()
@@ -157,6 +157,11 @@ class ChatSocket:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _not_started(task: asyncio.Task[None]) -> bool:
+    coro = task.get_coro()
+    return inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
 
 
 def _error_body(exc: Exception) -> dict[str, Any]:
