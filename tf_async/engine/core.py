@@ -118,6 +118,7 @@ class EngineCore:
             "queued": len(sched.waiting),
             "running": len(sched.running),
             "rounds": self.num_rounds,
+            "preemptions": sched.num_preemptions,  # streams that gave their lane back (recompute)
             **self.runner.memory_stats(),
             **sched.drafter_stats(),
         }
