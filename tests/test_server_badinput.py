@@ -4,6 +4,7 @@ status (never a 500), and the server keeps serving good requests afterwards."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import aiohttp
@@ -130,6 +131,19 @@ RAW_CASES = {
     "body over the limit": (b'{"prompt": "' + b"a" * (MAX_BODY + 10) + b'"}',
                             "application/json", 413),
 }
+ENCODED_CASES = {"unknown encoding": ("zstd-x", json.dumps(comp()).encode(), 415),
+                 "two encodings": ("gzip, deflate", json.dumps(comp()).encode(), 415),
+                 "gzip of a body over the limit": ("gzip", gzip.compress(b" " * (4 * MAX_BODY)),
+                                                   413)}
+
+
+@pytest.mark.parametrize("case", list(ENCODED_CASES))
+async def test_bad_content_encoding(base_url, case):
+    encoding, body, status = ENCODED_CASES[case]
+    async with aiohttp.ClientSession() as http, http.post(
+            base_url + "/v1/completions", data=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding}) as resp:
+        await _assert_error(resp, status)
 
 
 @pytest.mark.parametrize("case", list(RAW_CASES))

@@ -34,6 +34,7 @@ from .sse import ChatFormat, CompletionFormat, stream_sse
 log = logging.getLogger("tf_async.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+READABLE_ENCODINGS = ("", "identity", "gzip", "x-gzip", "deflate")  # aiohttp decodes these
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 STATIC_DIR = Path(__file__).parent / "static"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -129,6 +130,10 @@ class Server:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise HttpError(413, f"request body over {self.max_body_bytes} bytes",
                             code="request_too_large")
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in READABLE_ENCODINGS:  # aiohttp would pass the body on undecoded
+            raise HttpError(415, f"Content-Encoding {encoding!r} is not supported (send gzip, "
+                            f"deflate or none)", code="unsupported_content_encoding")
         if request.content_type != "application/json":
             raise HttpError(415, f"Content-Type must be application/json, not "
                             f"{request.content_type}", code="unsupported_media_type")
