@@ -481,7 +481,7 @@ async def raw_exchange(base_url: str, data: bytes) -> tuple[int, str, bytes]:
         headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))),
                                       120)
-    except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
         return 0, "", f"no reply: {type(exc).__name__}".encode()
     finally:
         writer.close()
