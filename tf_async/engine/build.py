@@ -19,6 +19,7 @@ from .pages import Runs, pages_for_rows
 from .runner import KV_DTYPES, Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
+from .threads import KERNEL_LOCK, choose_threading_layer
 
 
 @dataclass(slots=True)
@@ -69,6 +70,12 @@ def load_model(model: str | Checkpoint | None) -> Checkpoint:
 def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], None],
                  ) -> EngineParts:
     validate_options(options)
+    choose_threading_layer()
+    with KERNEL_LOCK:  # loading may run kernels (fp8 calibration, zeroing)
+        return _build(options, publish)
+
+
+def _build(options: dict[str, Any], publish: Callable[[list[TokenEvent]], None]) -> EngineParts:
     ckpt = load_model(options["model"])
     ops = make_ops(options["device"])
     num_lanes = options["parallel"]
