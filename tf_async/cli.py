@@ -15,7 +15,16 @@ def _parser() -> argparse.ArgumentParser:
     add_chat_args(sub.add_parser("chat", help="terminal chat client"))
     gate = sub.add_parser("gate", help="run the gates and print a table")
     add_model_args(gate)
+    gate.set_defaults(drafter="ngram")  # drafted == plain with ngram unless --drafter none
     gate.add_argument("--max-tokens", type=int, default=16)
+    gate.add_argument("--record", metavar="FILE", default=None,
+                      help="write the gate prompts' outputs (tokens, top log-probs) to FILE")
+    gate.add_argument("--reason", default="", help="with --record: why this baseline was made")
+    gate.add_argument("--against", metavar="FILE", default=None,
+                      help="run the requests of a recorded baseline with new features off and "
+                           "compare token for token (log-probs within its tolerance)")
+    gate.add_argument("--tolerance", type=float, default=None,
+                      help="with --against: allowed log-prob difference (default: the file's)")
     bench = sub.add_parser("bench", help="decode/prefill throughput of the engine")
     add_model_args(bench)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8])
