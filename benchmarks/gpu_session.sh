@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv
 pids=()
 if [ "${1:-}" = record ]; then
   shift
-  ( timeout -s INT 420 python3 -m tests.record_baselines --device cuda \
+  ( timeout -s INT 330 python3 -m tests.record_baselines --device cuda \
       --reason "${BASELINE_REASON:-GPU baselines recorded on an H200}" > "$OUT/record.log" 2>&1 \
     && timeout -s INT 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
       tests/test_gpu_baselines.py >> "$OUT/record.log" 2>&1
