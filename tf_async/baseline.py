@@ -114,6 +114,13 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _gpu_name() -> str:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
 def _producer(device: str) -> dict[str, Any]:
     import numba
 
@@ -121,6 +128,8 @@ def _producer(device: str) -> dict[str, Any]:
             "numpy": np.__version__, "numba": numba.__version__}
     if device == "cpu":
         host["cpu_vector_isa"] = cpu_vector_isa()
+    else:
+        host["gpu"] = _gpu_name()
     return {"engine_version": __version__, "git_commit": _git_commit(), "host": host}
 
 
