@@ -266,3 +266,11 @@ async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeyp
     monkeypatch.setattr(Scheduler, "_publish_pages", publish_too_early)
     async with Engine(tiny_llama, **OPTIONS) as eng:
         assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) != []
+
+
+async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(tiny_llama) -> None:  # noqa: ANN001
+    prompt = _tokens(4, 23)
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        await eng.complete(prompt, max_tokens=1)  # finishes in the round of its one prompt step
+        again = await eng.complete(prompt, max_tokens=1)
+    assert again.usage.cached_tokens == 20

@@ -7,10 +7,13 @@ same requests on this build with every optional feature off and compares token f
 baseline compares this build with an earlier one, so a kernel or engine change that alters
 the default path's outputs is caught.
 
-    section      engine settings                       log-probs
-    flags off    Engine defaults (paged, 16-row pages)  top 5
-    paging       paged, 4-row pages (many boundaries)   none (tokens: the device sampler)
-    contiguous   one contiguous run a lane              top 5
+    section      engine settings                          log-probs
+    flags off    Engine defaults, new features off        top 5
+                 (paged, 16-row pages, no prefix cache)
+    paging       paged, 4-row pages (many boundaries)     none (tokens: the device sampler)
+    contiguous   one contiguous run a lane                top 5
+    resumed      prefix cache on, 4-row pages: each       top 5, against "flags off"
+                 request sent twice, the second compared  (not stored: the same requests)
 """
 
 from __future__ import annotations
@@ -45,12 +48,21 @@ class Section:
     line: str  # the printed comparison, e.g. "paging == baseline paging"
     engine: dict[str, Any]
     logprobs: bool
+    expected: str = ""  # the recorded section it is compared with ("": its own, recorded)
+    repeat: bool = False  # send each request twice and keep the second (a resumed request)
+
+    @property
+    def recorded(self) -> bool:
+        return not self.expected
 
 
 SECTIONS = (
-    Section("flags off", "flags off == baseline", {}, True),
-    Section("paging", "paging == baseline paging", {"paging": True, "page_size": 4}, False),
+    Section("flags off", "flags off == baseline", {"prefix_cache": False}, True),
+    Section("paging", "paging == baseline paging",
+            {"paging": True, "page_size": 4, "prefix_cache": False}, False),
     Section("contiguous", "contiguous == baseline contiguous", {"paging": False}, True),
+    Section("resumed", "resumed == baseline", {"page_size": 4, "prefix_cache": True}, True,
+            expected="flags off", repeat=True),
 )
 
 
@@ -156,6 +168,8 @@ async def _run_section(ckpt: Checkpoint, settings: BaselineSettings,
                 params["ignore_eos"] = True  # every request runs its max_tokens
                 if section.logprobs:
                     params["logprobs"] = TOP_LOGPROBS
+                if section.repeat:  # the first one leaves its prompt's pages in the cache
+                    await eng.complete(prompt, **params)
                 done = await eng.complete(prompt, **params)
                 out.append({"prompt": index, "mode": mode, "seed": params.get("seed"),
                             "token_ids": list(done.token_ids),
@@ -175,7 +189,8 @@ async def record(ckpt: Checkpoint, settings: BaselineSettings, *, reason: str,
     """A baseline document for `ckpt` (see the module docstring); `model_name` defaults to the
     checkpoint's file or folder name."""
     sections = {s.name: {"engine": s.engine, "logprobs": s.logprobs,
-                         "requests": await _run_section(ckpt, settings, s)} for s in SECTIONS}
+                         "requests": await _run_section(ckpt, settings, s)}
+                for s in SECTIONS if s.recorded}
     return {"format": BASELINE_FORMAT, "reason": reason, "produced_by": _producer(settings.device),
             "model": {"name": model_name or Path(ckpt.path).name, "fingerprint": model_fingerprint(ckpt)},
             "settings": asdict(settings), "top_logprobs": TOP_LOGPROBS,
@@ -253,8 +268,8 @@ async def check(ckpt: Checkpoint, doc: dict[str, Any], path: str | Path = "basel
     results = []
     for section in SECTIONS:
         got = await _run_section(ckpt, settings, section)
-        results.append(compare_section(section, doc["sections"][section.name]["requests"],
-                                       got, allowed))
+        want = doc["sections"][section.expected or section.name]["requests"]
+        results.append(compare_section(section, want, got, allowed))
     return results
 
 

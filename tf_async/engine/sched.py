@@ -242,8 +242,10 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, *, failed: bool = False) -> None:
         if seq.lane is not None:
+            if not failed:  # its committed rows stay useful to later streams
+                self._publish_pages(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             self.lanes.release(seq.lane)
             seq.lane = None
@@ -351,7 +353,7 @@ class Scheduler:
                new_ids: list[int] | None = None, logprobs=None) -> TokenEvent:
         """End a stream: release its lane (the one release path) and drop it."""
         seq.finished = True
-        self._release(seq)
+        self._release(seq, failed=error is not None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
