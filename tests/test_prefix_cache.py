@@ -274,3 +274,54 @@ async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(ti
         await eng.complete(prompt, max_tokens=1)  # finishes in the round of its one prompt step
         again = await eng.complete(prompt, max_tokens=1)
     assert again.usage.cached_tokens == 20
+
+
+# ---- hybrids: resume from a recurrent state kept at a page boundary -------------------------
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.baseline_models import TINY_MODELS
+    from tf_async.models.loader import load_checkpoint
+
+    return {name: load_checkpoint(TINY_MODELS[name](tmp_path_factory.mktemp(name)))
+            for name in ("qwen3_5-mlx4", "qwen3_5_moe-bf16")}
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-mlx4", "qwen3_5_moe-bf16"])
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+async def test_hybrid_resumed_chat_equals_fresh(hybrids, name, drafter) -> None:  # noqa: ANN001
+    options = {**OPTIONS, "drafter": drafter, "draft_tokens": 3}
+    for mode in ("greedy", "seeded"):
+        async with Engine(hybrids[name], **options) as eng:
+            resumed = await _chat(eng, 3, mode, seed=4)
+            stats = await idle_stats(eng)
+        async with Engine(hybrids[name], **OPTIONS, prefix_cache=False) as eng:
+            fresh = await _chat(eng, 3, mode, seed=4)
+        assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+        assert all(cached > 0 for _, cached in resumed[1:]), resumed
+        assert stats["prefix_states_resumed"] >= 2 and stats["prefix_state_bytes"] > 0
+
+
+async def test_hybrid_streams_sharing_a_prefix_equal_fresh(hybrids) -> None:  # noqa: ANN001
+    ckpt = hybrids["qwen3_5-mlx4"]
+
+    async def twice(eng: Engine) -> list[list[int]]:  # the second wave resumes the first's
+        return await _shared_prefix(eng, 4, "seeded") + await _shared_prefix(eng, 4, "seeded")
+
+    async with Engine(ckpt, **{**OPTIONS, "parallel": 4}) as eng:
+        shared = await twice(eng)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **{**OPTIONS, "parallel": 4}, prefix_cache=False) as eng:
+        fresh = await twice(eng)
+    assert shared == fresh and stats["prefix_states_resumed"] > 0
+
+
+async def test_a_resumed_hybrid_lane_starts_from_the_kept_state_not_zero(hybrids, monkeypatch) -> None:  # noqa: ANN001
+    """Mutation: resuming a lane from zero state instead of its kept state changes outputs."""
+    from tf_async.models.qwen35 import RecurrentStates
+
+    async with Engine(hybrids["qwen3_5-mlx4"], **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat(eng, 3, "greedy", seed=6)
+    monkeypatch.setattr(RecurrentStates, "resume", lambda self, slot, lane: self.zero(lane))
+    async with Engine(hybrids["qwen3_5-mlx4"], **OPTIONS) as eng:
+        broken = await _chat(eng, 3, "greedy", seed=6)
+    assert [ids for ids, _ in broken] != [ids for ids, _ in fresh]

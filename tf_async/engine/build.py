@@ -19,6 +19,7 @@ from ..models.qwen35 import make_decoder
 from .core import EngineCore
 from .lanes import Lanes
 from .pages import Runs, pages_for_rows
+from .prefix import StateSlots
 from .runner import KV_DTYPES, Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
@@ -89,6 +90,9 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
                           recurrent=recurrent, decode_steps=options.get("decode_steps", 1),
                           cache_identity=kv_identity(ckpt, options["kv_dtype"], kv_scales))
+    if recurrent and runs.cache is not None:
+        decoder.states.add_prefix_slots(num_lanes)  # type: ignore[attr-defined]
+        scheduler.state_slots = StateSlots(num_lanes)
     runner = Runner(_maybe_graphs(decoder, options), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.get("drafter"):
@@ -102,13 +106,12 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
 
 
 def _prefix_cache_applies(options: dict[str, Any], recurrent: bool) -> bool:
-    """Prefix reuse needs paged KV and a stream whose every state is in its pages: not for
-    hybrids (recurrent state) nor ring drafters (draft model, MTP: their rings follow every
-    row of the target), which recompute their prompts as before."""
+    """Prefix reuse needs paged KV; hybrids resume from recurrent states kept at page
+    boundaries (one slot a lane). Not with ring drafters (draft model, MTP: their rings follow
+    every row of the target): those recompute their prompts as before."""
     drafter = options.get("drafter") or ""
     ring_drafter = drafter == "mtp" or drafter.startswith("draft:")
-    return bool(options.get("prefix_cache", True)) and options["paging"] and not (
-        recurrent or ring_drafter)
+    return bool(options.get("prefix_cache", True)) and options["paging"] and not ring_drafter
 
 
 def kv_identity(ckpt: Checkpoint, kv_dtype: str, kv_scales: Any) -> bytes:

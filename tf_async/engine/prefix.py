@@ -102,3 +102,42 @@ class PrefixCache:
                 "prefix_cache_hit_pages": self.num_hit_pages,
                 "prefix_cache_missed_pages": self.num_missed_pages,
                 "prefix_cache_evictions": self.num_evictions}
+
+
+class StateSlots:
+    """Hybrids: recurrent states kept at page boundaries, by the key of the page they follow.
+    Integers only: slot ids; the runner copies lane state <-> slot (RoundPlan.states_to_keep,
+    states_to_resume). A resumed stream needs its pages cached and the state after the last
+    of them. Slots are reused least recently used first."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self.num_kept = 0
+        self.num_resumed = 0
+
+    def lookup(self, key: bytes) -> int | None:
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._lru.move_to_end(slot)
+        return slot
+
+    def take(self, key: bytes) -> int | None:
+        """A slot for the state after the page of `key` (the least recently used one, its
+        old state forgotten), or None when that state is kept already."""
+        if key in self._slot_of or not self._lru:
+            return None
+        slot, _ = self._lru.popitem(last=False)
+        old = self._key_of.pop(slot, None)
+        if old is not None:
+            del self._slot_of[old]
+        self._slot_of[key], self._key_of[slot] = slot, key
+        self._lru[slot] = None
+        self.num_kept += 1
+        return slot
+
+    def stats(self) -> dict[str, int]:
+        return {"prefix_state_slots": self.num_slots, "prefix_states_kept": self.num_kept,
+                "prefix_states_resumed": self.num_resumed}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..api_types import SamplingParams
 from .choice import token_choices
 from .lanes import Lanes
-from .prefix import next_key, root_key
+from .prefix import StateSlots, next_key, root_key
 from .sampling import apply_penalties, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
@@ -43,6 +43,9 @@ class Scheduler:
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafting.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
         self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
+        self.state_slots: StateSlots | None = None  # hybrids with a prefix cache (build)
+        self._states_to_keep: list[tuple[int, int]] = []  # (lane, slot) since the last plan
+        self._states_to_resume: list[tuple[int, int]] = []  # (slot, lane)
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -79,9 +82,12 @@ class Scheduler:
         steps = self._steps_for(rows, pages_to_zero)
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
-                         tuple(sorted(self._lanes_to_restore)), steps)
+                         tuple(sorted(self._lanes_to_restore)), tuple(self._states_to_keep),
+                         tuple(self._states_to_resume), steps)
         self._lanes_to_zero.clear()
         self._lanes_to_restore.clear()
+        self._states_to_keep.clear()
+        self._states_to_resume.clear()
         return plan
 
     def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
@@ -207,12 +213,16 @@ class Scheduler:
         cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
         if cache is None or lane is None or len(self.runs.pages(lane)) * size != seq.num_computed:
             return
+        if self.recurrent and seq.num_computed > 0:
+            return  # a hybrid's state continues only from a kept state, at its first cut
         found: list[int] = []
         for i in range(seq.num_computed // size, (seq.num_tokens - 1) // size):
             page_id = cache.lookup(self._page_key(seq, i), self._page_tokens(seq, i))
             if page_id is None:
                 break
             found.append(page_id)
+        if self.recurrent:
+            found = found[:self._resume_state(seq, len(found))]
         if found:
             self.runs.share(lane, found)
             cache.num_hit_pages += len(found)
@@ -220,6 +230,35 @@ class Scheduler:
                 seq.num_cached_tokens = min(len(found) * size, len(seq.prompt_ids))
             seq.num_computed += len(found) * size
             seq.num_published = len(self.runs.pages(lane))
+
+    def _resume_state(self, seq: Sequence, num_pages: int) -> int:
+        """Hybrids: the most cached pages (<= num_pages) after which a state is kept; the
+        lane resumes from that state (plan.states_to_resume). 0: none, start from zero."""
+        assert seq.lane is not None
+        slots = self.state_slots
+        if slots is None:
+            return 0
+        for count in range(num_pages, 0, -1):
+            slot = slots.lookup(self._page_key(seq, count - 1))
+            if slot is not None:
+                self._states_to_resume.append((slot, seq.lane))
+                slots.num_resumed += 1
+                return count
+        return 0
+
+    def _keep_state(self, seq: Sequence) -> None:
+        """Hybrids: after a round that left the stream's state exactly at a page boundary
+        (no rollback pending), keep a copy of it for streams that resume from there."""
+        lane, size = seq.lane, self.runs.page_size
+        if (self.state_slots is None or lane is None or seq.num_computed == 0
+                or seq.num_computed % size or seq.num_redo or lane in self._lanes_to_restore):
+            return
+        slot = self.state_slots.take(self._page_key(seq, seq.num_computed // size - 1))
+        if slot is not None:
+            self._states_to_keep.append((lane, slot))
+
+    def prefix_state_stats(self) -> dict[str, int]:
+        return self.state_slots.stats() if self.state_slots is not None else {}
 
     def _publish_pages(self, seq: Sequence) -> None:
         """Offer the run's newly full pages (every row committed) to the prefix cache."""
@@ -246,6 +285,7 @@ class Scheduler:
         if seq.lane is not None:
             if not failed:  # its committed rows stay useful to later streams
                 self._publish_pages(seq)
+                self._keep_state(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             self.lanes.release(seq.lane)
             seq.lane = None
@@ -273,6 +313,7 @@ class Scheduler:
             elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
                 self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
             self._publish_pages(seq)
+            self._keep_state(seq)
         return events
 
     def _open_drafter(self, seq: Sequence) -> str | None:

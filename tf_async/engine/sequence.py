@@ -103,6 +103,10 @@ class RoundPlan:
     pages_to_zero: tuple[int, ...]
     lanes_to_zero: tuple[int, ...] = ()  # lanes opened this round: recurrent state zeroed
     lanes_to_restore: tuple[int, ...] = ()  # lanes rolled back after a rejected draft
+    # hybrids' prefix cache: (lane, slot) copies of a lane's state kept at a page boundary,
+    # run first; (slot, lane): a resumed stream's lane starts from a kept state, run last
+    states_to_keep: tuple[tuple[int, int], ...] = ()
+    states_to_resume: tuple[tuple[int, int], ...] = ()
     # Decode steps (--decode-steps): every row is one decode row with a choice, and the round
     # runs `steps` forwards in a row, step k at start_pos + k on the token chosen at step
     # k - 1 (fed where it was chosen: on the device, no host round trip between steps).
