@@ -23,7 +23,6 @@ from tf_async.errors import BadInputError, ModelFormatError
 from tf_async.models.default import default_model_path
 from tf_async.models.tokenizer import StreamDetokenizer, Tokenizer
 
-
 TEXTS = [
     "", "Hello, world!", "The capital of France is Paris.", "I'm sure they'll say we've won",
     "digits 0 12 345 6789 3.14159 1,000,000", "emoji 😀👍🏽 and 🇫🇷 flags", "中文字符 日本語 한국어",
