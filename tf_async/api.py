@@ -15,7 +15,7 @@ from .engine.build import EngineParts, build_engine
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
-from .errors import BadInputError, QueueFullError, RequestFailedError
+from .errors import BadInputError, QueueFullError, RequestFailedError, ShuttingDownError
 from .models.checkpoint import Checkpoint
 
 SWITCH_INTERVAL_S = 0.0005
@@ -177,6 +177,9 @@ class Engine:
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}  # requests the engine holds
         self._ids = itertools.count(1)
         self.closed = False
+        self._refusal: str | None = None  # set by refuse_new(): why new requests fail
+        self._idle = asyncio.Event()  # set whenever the engine holds no request
+        self._idle.set()
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Engine:
@@ -238,6 +241,28 @@ class Engine:
     def lanes(self) -> list[dict[str, object]]:
         return list(self._parts.core.lane_snapshot)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted to the engine whose last event has not come back yet."""
+        return len(self._queues)
+
+    def refuse_new(self, reason: str) -> None:
+        """From now on, new requests fail with ShuttingDownError(reason); running ones go on."""
+        self._refusal = reason
+
+    async def wait_idle(self) -> None:
+        """Return once the engine holds no request (every lane and page released)."""
+        while self._queues:
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def cancel_all(self) -> None:
+        """Cancel every request the engine holds; return once their lanes are released."""
+        if self.parts is not None and not self.closed:
+            for request_id in list(self._queues):
+                self.parts.core.cancel(request_id)
+            await self.wait_idle()
+
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             _check(len(prompt) > 0, "prompt must not be empty", "prompt")
@@ -256,6 +281,8 @@ class Engine:
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue[TokenEvent]]:
         parts = self._parts
+        if self._refusal is not None:
+            raise ShuttingDownError(self._refusal)
         total = len(prompt_ids) + params.max_tokens
         _check(total <= self.ctx, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                f"= {total} exceeds the context of {self.ctx} tokens", "max_tokens")
@@ -287,6 +314,8 @@ class Engine:
             queue = self._queues.pop(event.request_id, None) if last else self._queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+        if not self._queues:
+            self._idle.set()
 
 
 async def _collect(stream: RequestStream) -> Completion:
