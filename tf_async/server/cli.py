@@ -2,27 +2,28 @@
 
 The top-level CLI (tf_async/cli.py) adds these to its subcommands:
 `add_serve_args(parser)` + `run_serve(args)`, `add_chat_args(parser)` + `run_chat(args)`.
+The chat client itself lives in chat_client.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import errno
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TextIO
+from collections.abc import Awaitable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from ..errors import BadInputError, QueueFullError
+from ..errors import BadInputError
 from .app import DEFAULT_MAX_BODY_BYTES, SERVER_KEY, create_app, start_server
+from .chat_client import ChatError, ChatSession, InProcessChatClient, WsChatClient, chat_loop
 from .metrics import ServerMetrics
 
 log = logging.getLogger("tf_async.server")
@@ -228,105 +229,21 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-class ChatError(RuntimeError):
-    """The server refused or failed a chat (the message says why)."""
-
-
-class WsChatClient:
-    """Chats over /v1/chat/ws; one reply at a time, cancel by id."""
-
-    def __init__(self, url: str, api_key: str | None = None):
-        self.url = url.rstrip("/").replace("http", "ws", 1) + "/v1/chat/ws"
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._next_id = 0
-
-    async def __aenter__(self) -> WsChatClient:
-        self._session = aiohttp.ClientSession()
-        self._ws = await self._session.ws_connect(self.url, headers=self.headers)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._ws is not None:
-            await self._ws.close()
-        if self._session is not None:
-            await self._session.close()
-
-    async def reply(self, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[str]:
-        """Yield the reply's text pieces; cancelling the consumer sends a cancel message."""
-        assert self._ws is not None
-        self._next_id += 1
-        chat_id = self._next_id
-        await self._ws.send_json({"type": "chat", "id": chat_id, "messages": messages, **params})
-        try:
-            while True:
-                msg = await self._ws.receive_json()
-                if msg.get("id") != chat_id:
-                    continue
-                if msg["type"] == "delta":
-                    yield msg["text"]
-                elif msg["type"] == "error":
-                    raise ChatError(msg["error"]["message"])
-                else:
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            await self._cancel(chat_id)
-            raise
-
-    async def _cancel(self, chat_id: int) -> None:
-        """Tell the server to stop, then drain until its `done` so the socket stays in step."""
-        assert self._ws is not None
-        await self._ws.send_json({"type": "cancel", "id": chat_id})
-        while True:
-            msg = await self._ws.receive_json()
-            if msg.get("id") == chat_id and msg["type"] in ("done", "error"):
-                return
-
-
-class InProcessChatClient:
-    """The same `reply` on an Engine in this process."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    async def reply(self, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[str]:
-        async with contextlib.aclosing(self.engine.chat(messages, **params)) as deltas:
-            async for delta in deltas:
-                if delta.text:
-                    yield delta.text
-
-
-class ChatSession:
-    """Multi-turn history; `ask` streams one reply to `out` (a stopped reply is kept)."""
-
-    def __init__(self, client: Any, *, system: str | None = None, **params: Any):
-        self.client = client
-        self.params = params
-        self.history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-
-    async def ask(self, text: str, out: TextIO) -> str:
-        self.history.append({"role": "user", "content": text})
-        pieces: list[str] = []
-        try:
-            async for piece in self.client.reply(list(self.history), **self.params):
-                pieces.append(piece)
-                out.write(piece)
-                out.flush()
-        except (ChatError, BadInputError, QueueFullError):
-            self.history.pop()  # the turn got no reply: forget it
-            raise
-        finally:
-            if self.history and self.history[-1]["role"] == "user":  # finished or stopped
-                self.history.append({"role": "assistant", "content": "".join(pieces)})
-            out.write("\n")
-        return "".join(pieces)
+__all__ = ["ChatError", "ChatSession", "InProcessChatClient", "WsChatClient", "add_chat_args",
+           "add_serve_args", "run_chat", "run_serve"]
 
 
 def run_chat(args: argparse.Namespace) -> int:
     """Terminal chat; Ctrl-C stops the current reply, Ctrl-C at the prompt (or EOF) quits."""
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         asyncio.run(_chat(args))
+    except KeyboardInterrupt:
+        pass
+    except aiohttp.ClientError as exc:
+        print(f"tf-async chat: error: cannot reach {args.url} ({exc}); is `tf-async serve` "
+              f"running there? (--url picks the server; --in-process runs the model here)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
@@ -336,53 +253,8 @@ async def _chat(args: argparse.Namespace) -> None:
         params["seed"] = args.seed
     if args.in_process:
         async with engine_from_args(args) as engine:
-            await _chat_loop(ChatSession(InProcessChatClient(engine), system=args.system, **params))
+            session = ChatSession(InProcessChatClient(engine), system=args.system, **params)
+            await chat_loop(session, "this process")
     else:
         async with WsChatClient(args.url, args.api_key) as client:
-            await _chat_loop(ChatSession(client, system=args.system, **params))
-
-
-async def _chat_loop(session: ChatSession, stdin: TextIO = sys.stdin,
-                     stdout: TextIO = sys.stdout) -> None:
-    loop = asyncio.get_running_loop()
-    current: dict[str, asyncio.Task[Any]] = {}
-    loop.add_signal_handler(signal.SIGINT, lambda: [t.cancel() for t in current.values()])
-    reader = await _stdin_reader(stdin)
-    try:
-        while True:
-            stdout.write("> ")
-            stdout.flush()
-            current["read"] = asyncio.create_task(reader())
-            try:
-                line = await current["read"]
-            except asyncio.CancelledError:
-                return  # Ctrl-C at the prompt quits
-            del current["read"]
-            if not line:
-                return  # EOF
-            if line.strip():
-                current["reply"] = asyncio.create_task(session.ask(line.strip(), stdout))
-                try:
-                    await current["reply"]
-                except asyncio.CancelledError:
-                    pass  # Ctrl-C stops this reply only
-                except (ChatError, BadInputError, QueueFullError) as exc:
-                    print(f"error: {exc}", file=sys.stderr)
-                current.pop("reply", None)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
-
-
-async def _stdin_reader(stdin: TextIO) -> Any:
-    """An async readline for stdin (a pipe/tty through the loop; else a thread)."""
-    loop = asyncio.get_running_loop()
-    try:
-        stream = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), stdin)
-    except (ValueError, OSError):
-        return lambda: asyncio.to_thread(stdin.readline)
-
-    async def readline() -> str:
-        return (await stream.readline()).decode(errors="replace")
-
-    return readline
+            await chat_loop(ChatSession(client, system=args.system, **params), args.url)
