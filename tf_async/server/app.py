@@ -249,6 +249,10 @@ class Server:
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "favicon.svg",
+                                headers={"Content-Type": "image/svg+xml"})
+
 
 def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
@@ -260,7 +264,7 @@ def _engine_logprobs(num_logprobs: int | None) -> int | None:
 
 
 SERVER_KEY = web.AppKey("tf_async_server", Server)
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/favicon.ico", "/favicon.svg")
 
 
 @web.middleware
@@ -324,6 +328,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/v1/chat/ws", chat_websocket)
     app.router.add_get("/", server.index)
+    app.router.add_get("/favicon.ico", server.favicon)  # browsers ask for it: no 404
+    app.router.add_get("/favicon.svg", server.favicon)
     app.on_response_prepare.append(_add_cors)
     app.on_shutdown.append(_close_websockets)
     return app
