@@ -154,6 +154,8 @@ class StopSignals:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    print(f"tf-async: loading {args.model or 'the default model'} (device {args.device})",
+          flush=True)
     async with engine_from_args(args) as engine:
         app = create_app(engine, api_key=args.api_key, cors_origin=args.cors_origin,
                          max_body_bytes=args.max_body_bytes)
