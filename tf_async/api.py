@@ -70,10 +70,12 @@ class RequestStream:
     engine's next round, after the loop has moved on.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None):
         self._engine = engine
         self.prompt_ids = prompt_ids
         self.params = params
+        self.cache_salt = cache_salt
         self.request_id = -1
         self._queue: asyncio.Queue[TokenEvent] | None = None
         self._done = False  # no more deltas for the caller
@@ -97,7 +99,8 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         if self._queue is None:
-            self.request_id, self._queue = self._engine._submit(self.prompt_ids, self.params)
+            self.request_id, self._queue = self._engine._submit(self.prompt_ids, self.params,
+                                                                self.cache_salt)
         try:
             event = await self._queue.get()
         except BaseException:
@@ -122,7 +125,8 @@ class RequestStream:
         self._done = True
         if not final:  # a stop string ended it before the engine did
             self._cancel()
-        usage = Usage(len(self.prompt_ids), self.num_generated, event.drafted_tokens, event.accepted_tokens)
+        usage = Usage(len(self.prompt_ids), self.num_generated, event.drafted_tokens,
+                      event.accepted_tokens, event.cached_tokens)
         return Delta(text, ids, reason, list(event.logprobs) if event.logprobs else None, usage)
 
     def _cancel(self) -> None:
@@ -163,13 +167,14 @@ class Engine:
                  ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
                  kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
-                 cuda_graphs: bool = True, decode_steps: int = 1):
+                 cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True):
         if kv_pages is None and os.environ.get("TF_KV_PAGES"):
             kv_pages = int(os.environ["TF_KV_PAGES"])
         self.options: dict[str, Any] = dict(
             model=model, device=device, parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, paging=paging,
             kv_pages=kv_pages, step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens,
-            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps)
+            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps,
+            prefix_cache=prefix_cache)
         self.max_queue = max_queue
         self.ctx = ctx
         self.parts: EngineParts | None = None
@@ -222,12 +227,16 @@ class Engine:
         return self.parts
 
     # ---- requests -----------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], **kwargs: Any) -> RequestStream:
-        return RequestStream(self, self._prompt_ids(prompt), self._params(kwargs))
+    def stream(self, prompt: str | list[int], *, cache_salt: str | None = None,
+               **kwargs: Any) -> RequestStream:
+        """`cache_salt`: streams share cached prompt pages only with streams of the same salt."""
+        return RequestStream(self, self._prompt_ids(prompt), self._params(kwargs),
+                             _salt(cache_salt))
 
-    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> RequestStream:
+    def chat(self, messages: list[dict[str, Any]], *, cache_salt: str | None = None,
+             **kwargs: Any) -> RequestStream:
         ids = self.tokenizer.encode_chat(messages)
-        return RequestStream(self, ids, self._params(kwargs))
+        return RequestStream(self, ids, self._params(kwargs), _salt(cache_salt))
 
     async def complete(self, prompt: str | list[int], **kwargs: Any) -> Completion:
         return await _collect(self.stream(prompt, **kwargs))
@@ -279,7 +288,8 @@ class Engine:
         except TypeError as exc:  # an unknown keyword argument
             raise BadInputError(f"bad argument: {exc}") from exc
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue[TokenEvent]]:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                ) -> tuple[int, asyncio.Queue[TokenEvent]]:
         parts = self._parts
         if self._refusal is not None:
             raise ShuttingDownError(self._refusal)
@@ -292,7 +302,8 @@ class Engine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request_id] = queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids))
+        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids,
+                                        cache_salt))
         return request_id, queue
 
     def _cancel(self, request_id: int) -> None:
@@ -316,6 +327,12 @@ class Engine:
                 queue.put_nowait(event)
         if not self._queues:
             self._idle.set()
+
+
+def _salt(cache_salt: object) -> str | None:
+    _check(cache_salt is None or (isinstance(cache_salt, str) and 0 < len(cache_salt) <= 256),
+           "cache_salt must be a non-empty string of at most 256 characters", "cache_salt")
+    return cache_salt  # type: ignore[return-value]
 
 
 async def _collect(stream: RequestStream) -> Completion:

@@ -11,7 +11,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     from the environment (an API key must not be printed)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "(env " in (action.help or ""):
+        if action.default in (None, False, "") or "(env " in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -36,7 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     gate = command("gate", "run the gates (drafted == plain, concurrent == solo, ...) and "
                    "print a table")
     add_model_args(gate)
+    gate.set_defaults(drafter="ngram")  # drafted == plain with ngram unless --drafter none
     gate.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    gate.add_argument("--record", metavar="FILE", default=None,
+                      help="write the gate prompts' outputs (tokens, top log-probs) to FILE")
+    gate.add_argument("--reason", default="", help="with --record: why this baseline was made")
+    gate.add_argument("--against", metavar="FILE", default=None,
+                      help="run the requests of a recorded baseline with new features off and "
+                           "compare token for token (log-probs within its tolerance)")
+    gate.add_argument("--tolerance", type=float, default=None,
+                      help="with --against: allowed log-prob difference (default: the file's)")
     bench = command("bench", "measure prefill and aggregate decode throughput; print a table")
     add_model_args(bench)
     bench.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8],

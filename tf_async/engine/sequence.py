@@ -35,6 +35,10 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_redo: int = 0  # rows after num_computed to re-feed after a recurrent-state rollback
+    cache_salt: str | None = None  # prefix cache: streams share pages only with equal salts
+    page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
+    num_published: int = 0  # pages of the current run offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt rows taken from the prefix cache at admission
 
     @property
     def num_tokens(self) -> int:
@@ -134,3 +138,4 @@ class TokenEvent:
     prompt_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
