@@ -33,6 +33,7 @@ from .sse import ChatFormat, CompletionFormat, stream_sse
 log = logging.getLogger("tf_async.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+WS_HEARTBEAT_S = 30.0  # websocket ping interval; a client that misses a pong is dropped
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 STATIC_DIR = Path(__file__).parent / "static"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -90,12 +91,14 @@ class Server:
     """The state behind the routes: engine, settings and metrics of one app."""
 
     def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | None, max_body_bytes: int):
+                 model_name: str | None, max_body_bytes: int,
+                 ws_heartbeat_s: float = WS_HEARTBEAT_S):
         self.engine = engine
         self.api_key = api_key
         self.cors_origin = cors_origin
         self.model_name = model_name or getattr(engine, "model_name", None) or "tf-async"
         self.max_body_bytes = max_body_bytes
+        self.ws_heartbeat_s = ws_heartbeat_s
         self.metrics = ServerMetrics(engine.stats)
         self.websockets: set[web.WebSocketResponse] = set()
 
@@ -246,6 +249,10 @@ class Server:
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "favicon.svg",
+                                headers={"Content-Type": "image/svg+xml"})
+
 
 def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
@@ -257,7 +264,7 @@ def _engine_logprobs(num_logprobs: int | None) -> int | None:
 
 
 SERVER_KEY = web.AppKey("tf_async_server", Server)
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/favicon.ico", "/favicon.svg")
 
 
 @web.middleware
@@ -300,14 +307,16 @@ async def _close_websockets(app: web.Application) -> None:
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
                model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               ws_heartbeat_s: float = WS_HEARTBEAT_S) -> web.Application:
     """The aiohttp application serving `engine` (a started `tf_async.Engine`)."""
     from .ws import chat_websocket  # ws imports this module's helpers
 
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, cors_middleware, auth_middleware])
     server = app[SERVER_KEY] = Server(engine, api_key=api_key, cors_origin=cors_origin,
-                                      model_name=model_name, max_body_bytes=max_body_bytes)
+                                      model_name=model_name, max_body_bytes=max_body_bytes,
+                                      ws_heartbeat_s=ws_heartbeat_s)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -319,6 +328,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/v1/chat/ws", chat_websocket)
     app.router.add_get("/", server.index)
+    app.router.add_get("/favicon.ico", server.favicon)  # browsers ask for it: no 404
+    app.router.add_get("/favicon.svg", server.favicon)
     app.on_response_prepare.append(_add_cors)
     app.on_shutdown.append(_close_websockets)
     return app
