@@ -74,7 +74,7 @@ GATE_CASES = [("llama-f32", "f32"), ("qwen3-f32", "f32"), ("qwen3_moe-f32", "f32
 async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", kv_dtype=kv_dtype,
                                  max_tokens=10, ctx=256, cuda_graphs=False)  # every round eager
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
 
 
 @pytest.mark.parametrize("name", ["qwen3-mlx4", "qwen3_moe-f32"])
@@ -94,7 +94,7 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
     monkeypatch.setattr(build, "_maybe_graphs", recorded)
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256,
                                  drafters=("ngram",))  # verify rounds replay graphs too
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1 + 1) + 1)
     assert made and all(isinstance(g, GraphDecoder) for g in made)
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
@@ -280,7 +280,7 @@ async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> Non
 async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
     rows, idle = await run_gates(default_checkpoint, device="cuda", max_tokens=8, ctx=256,
                                  prompts=PROMPTS[:4])
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
 
 
 @needs_default

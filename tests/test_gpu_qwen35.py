@@ -414,7 +414,7 @@ async def test_every_gate_holds_on_the_gpu(hybrids, name, kv_dtype) -> None:  # 
                                  drafters=("mtp", "ngram"), temperature=HOT)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 2) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1 + 2) + 1
     mtp = idle["drafted-mtp-seeded"]
     assert mtp["drafted_tokens"] > 0 and mtp["recurrent_state_bytes_per_lane"] > 0
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())

@@ -88,7 +88,7 @@ async def test_all_gates_pass(hybrids, name):
                                  prompts=PROMPTS[:6], drafters=("mtp", "ngram"), temperature=HOT)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 2) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1 + 2) + 1
     mtp = idle["drafted-mtp-seeded"]
     assert mtp["drafted_tokens"] > 0 and mtp["recurrent_state_bytes_per_lane"] > 0
 
