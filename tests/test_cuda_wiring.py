@@ -14,8 +14,8 @@ import pytest
 from tf_async import BadInputError, Engine
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.backend.select import make_ops
+from tf_async.backend.weights import AffineWeight, DenseWeight
 from tf_async.models.decoder import Decoder
-from tf_async.models.weights import AffineWeight, DenseWeight
 
 
 @pytest.fixture()

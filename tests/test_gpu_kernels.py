@@ -328,7 +328,7 @@ def test_kv_write_bits(ops, rng, kv_dtype) -> None:  # noqa: ANN001
 def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
     """CudaOps end to end (allocation, checks, stream) against CpuOps on the same inputs."""
     from tf_async.backend.cpu.ops import CpuOps
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     cpu = CpuOps(int8_x=True)
     w = quantize_affine(rng.standard_normal((512, 256)).astype(np.float32), 4, 64)
@@ -354,7 +354,7 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     """Qwen3-8B sizes: concat_linears views == the originals, linear_into == h + linear,
     swiglu_linear == silu_mul of two linears, attn_inputs == rms_norm + rope + kv_write;
     bit for bit, fresh random inputs, outputs poisoned."""
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     nh, nkv, hd, hidden, inter = 32, 8, 128, 4096, 1024
     xp = ops.xp
@@ -412,7 +412,7 @@ def test_attention_written_as_int8_x(ops, rng, rows, bits) -> None:  # noqa: ANN
     rows and the bits of quantize_rows of them (Qwen3-8B heads, 1..300 keys a row: chunks of 32
     and 64 keys, several blocks a row; fresh inputs, poisoned outputs)."""
     from tf_async.backend.cuda_ops import Int8Rows
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     nh, nkv, hd, hidden, page = 32, 8, 128, 4096, 16
     xp = ops.xp
@@ -475,7 +475,7 @@ def test_rows_ops(ops, rng) -> None:  # noqa: ANN001
 
 def test_moe_against_cpu(ops, rng) -> None:  # noqa: ANN001
     from tf_async.backend.cpu.ops import CpuOps
-    from tf_async.models.weights import DenseWeight, quantize_affine
+    from tf_async.backend.weights import DenseWeight, quantize_affine
 
     cpu = CpuOps(int8_x=True)
     hidden, inter, experts = 256, 128, 8
@@ -516,8 +516,8 @@ def test_sampling(ops, rng) -> None:  # noqa: ANN001
 def test_int8_rows_for_another_weight_kind_is_a_clear_error(ops, rng) -> None:  # noqa: ANN001
     """Int8Rows made for a 4-bit weight (q4 byte order) refused by an 8-bit one, and by a
     weight that takes float32 x (group of 16), with a clear BadInputError."""
+    from tf_async.backend.weights import quantize_affine
     from tf_async.errors import BadInputError
-    from tf_async.models.weights import quantize_affine
 
     def weight(bits, group):  # noqa: ANN001, ANN202
         return ops.upload_linear(quantize_affine(rng.standard_normal((64, 256)).astype(np.float32), bits, group))

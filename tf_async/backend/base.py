@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..models.weights import Linear
+from .weights import Linear
 
 Array = Any  # numpy.ndarray on the CPU, cupy.ndarray on the GPU
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError
-from ..models.weights import AffineWeight, DenseWeight, Linear
+from .weights import AffineWeight, DenseWeight, Linear
 
 KV_DTYPES: dict[str, Any] = {
     "f32": np.float32, "float32": np.float32,

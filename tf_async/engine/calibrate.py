@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.decoder import Decoder, ForwardBatch
+from ..models.batch_io import ForwardBatch
+from ..models.decoder import Decoder
 
 E4M3_MAX = 448.0
 HEADROOM = 4.0

@@ -18,8 +18,8 @@ from typing import Any, cast
 import numpy as np
 
 from ..backend.base import DeviceSampler, Ops, device_sampler
-from ..models.batch_io import NO_PAGE, check_indices, pack_batch, packed_of
-from ..models.decoder import Decoder, ForwardBatch
+from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
+from ..models.decoder import Decoder
 from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice

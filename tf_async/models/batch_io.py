@@ -30,7 +30,6 @@ import numpy as np
 
 from ..backend.base import Array, Ops
 from ..errors import BadInputError
-from .decoder import ForwardBatch
 
 FIELDS = ("token_ids", "positions", "slots", "row_seq", "block_table", "logit_rows")
 NO_PAGE = -1  # a block table's padding past a stream's own pages: no page (fails the checks)
@@ -129,6 +128,23 @@ class PackedBatch:
         dv = self.device_views
         return batch.seq_lanes is dv.seq_lanes and all(
             getattr(batch, name) is getattr(dv, name) for name in FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Rows of one forward call (any mix of streams). Arrays live on the ops' device."""
+
+    token_ids: Array  # [rows] int64
+    positions: Array  # [rows] int64, absolute position of each row in its stream
+    slots: Array  # [rows] int64, KV slot each row writes
+    row_seq: Array  # [rows] int32, row -> index into block_table
+    block_table: Array  # [seqs, max_pages] int32
+    logit_rows: Array  # [m] int64, rows whose logits are wanted
+    page_size: int
+    seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
+    # The one packed buffer the fields view, with its host original (pack_batch); None for
+    # a batch built from separate arrays.
+    packed: PackedBatch | None = None
 
 
 def packed_of(batch: ForwardBatch) -> PackedBatch | None:

@@ -9,33 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..backend.base import Array, Ops
+from .batch_io import ForwardBatch
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .rope import rope_tables
-
-if TYPE_CHECKING:
-    from .batch_io import PackedBatch
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardBatch:
-    """Rows of one forward call (any mix of streams). Arrays live on the ops' device."""
-
-    token_ids: Array  # [rows] int64
-    positions: Array  # [rows] int64, absolute position of each row in its stream
-    slots: Array  # [rows] int64, KV slot each row writes
-    row_seq: Array  # [rows] int32, row -> index into block_table
-    block_table: Array  # [seqs, max_pages] int32
-    logit_rows: Array  # [m] int64, rows whose logits are wanted
-    page_size: int
-    seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
-    # The one packed buffer the fields view, with its host original (models/batch_io.py:
-    # pack_batch); None for a batch built from separate arrays.
-    packed: PackedBatch | None = None
 
 
 class Decoder:

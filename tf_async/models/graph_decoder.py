@@ -42,8 +42,8 @@ import numpy as np
 
 from ..backend.base import Array
 from ..errors import BadInputError
-from .batch_io import Layout, check_indices, packed_of
-from .decoder import Decoder, ForwardBatch
+from .batch_io import ForwardBatch, Layout, check_indices, packed_of
+from .decoder import Decoder
 
 
 @dataclass(slots=True)

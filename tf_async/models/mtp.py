@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backend.base import Array
 from ..errors import BadInputError
-from .decoder import ForwardBatch
+from .batch_io import ForwardBatch
 from .qwen35 import HybridDecoder, MtpWeights
 
 

@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..backend.base import Array, Ops
-from .batch_io import packed_of
+from ..backend.weights import DenseWeight, Linear
+from .batch_io import ForwardBatch, packed_of
 from .config import ModelConfig
-from .decoder import ForwardBatch
 from .rope import rope_tables
-from .weights import DenseWeight, Linear
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
 LINEAR_ATTENTION = "linear_attention"

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ...models.weights import AffineWeight, DenseWeight, Linear
+from ..weights import AffineWeight, DenseWeight, Linear
 from . import kernels
 
 KV_DTYPES: dict[str, Any] = {

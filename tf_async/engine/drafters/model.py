@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import BadInputError
-from ...models.decoder import Decoder, ForwardBatch
+from ...models.batch_io import ForwardBatch
+from ...models.decoder import Decoder
 from ..area import AreaLayout
 from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option
 from .base import ContextDrafter

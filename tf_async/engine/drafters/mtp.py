@@ -192,7 +192,7 @@ def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray
 
 def mtp_calibration_ring(head: MtpHead, token_ids: list[int]) -> Array:
     """The MTP layer's f32 K/V over a calibration text (the target run on a fresh state)."""
-    from ...models.decoder import ForwardBatch
+    from ...models.batch_io import ForwardBatch
 
     ops, cfg, decoder = head.ops, head.config, head.decoder
     rows = len(token_ids)
