@@ -69,7 +69,7 @@ def copy_bandwidth(cp, num_bytes: int = 4 << 30) -> float:  # noqa: ANN001
 
 def affine_weight(cp, out_f: int, in_f: int):  # noqa: ANN001, ANN201
     """Random 4-bit affine weight on the device, entries ~ uniform with std ~ 1/sqrt(in_f)."""
-    from tf_async.models.weights import AffineWeight
+    from tf_async.backend.weights import AffineWeight
 
     words, groups = in_f // 8, in_f // GROUP_SIZE
     codes = (cp.random.random((out_f, words), dtype=cp.float64) * 2.0**32).astype(cp.uint32)
@@ -80,7 +80,7 @@ def affine_weight(cp, out_f: int, in_f: int):  # noqa: ANN001, ANN201
 
 def to_bf16(cp, w):  # noqa: ANN001, ANN201
     """The affine weight dequantized and rounded to bf16 bits (DenseWeight of uint16)."""
-    from tf_async.models.weights import DenseWeight
+    from tf_async.backend.weights import DenseWeight
 
     out_f, words = w.codes.shape
     shifts = cp.arange(8, dtype=cp.uint32) * 4

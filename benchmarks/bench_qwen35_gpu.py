@@ -87,7 +87,7 @@ def memory_report(parallel: int, contexts: list[int]) -> None:
 def affine(xp, out_f: int, in_f: int, bits: int = 4, experts: int = 0):  # noqa: ANN001, ANN201
     """Random affine weight drawn with xp (CuPy: on the device), entries ~ zero mean with
     std ~ 1/sqrt(in_f); stacked [experts, out_f, ...] when `experts`."""
-    from tf_async.models.weights import AffineWeight
+    from tf_async.backend.weights import AffineWeight
 
     lead = (experts,) if experts else ()
     words, groups = in_f * bits // 32, in_f // GROUP_SIZE

@@ -319,7 +319,7 @@ def main() -> None:  # noqa: C901
 
     from cuda_kernels import launch
     from cuda_kernels.launch import _go
-    from tf_async.models.weights import pack_codes
+    from tf_async.backend.weights import pack_codes
 
     rng = np.random.default_rng(0)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]

@@ -13,7 +13,9 @@ from ..errors import BadInputError
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
 from ..models.qwen35 import make_decoder
+from .calibrate import kv_scales_for
 from .core import EngineCore
+from .drafters.registry import attach_drafter
 from .lanes import Lanes
 from .pages import Runs, pages_for_rows
 from .runner import KV_DTYPES, Arena, Runner
@@ -86,8 +88,6 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     runner = Runner(_maybe_graphs(decoder, options), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.get("drafter"):
-        from .drafting import attach_drafter
-
         attach_drafter(options, ckpt, scheduler, runner, lanes)
     name = os.path.basename(str(ckpt.path).rstrip("/")) or ckpt.config.name
     eos = ckpt.config.eos_token_ids or tuple(ckpt.tokenizer.eos_token_ids)
@@ -103,12 +103,3 @@ def _maybe_graphs(decoder: Decoder, options: dict[str, Any]) -> Decoder:
     from ..models.graph_decoder import GraphDecoder
 
     return GraphDecoder(decoder)  # type: ignore[return-value]
-
-
-def kv_scales_for(decoder: Decoder, ckpt: Checkpoint, kv_dtype: str):  # noqa: ANN201
-    """Per-layer fp8 K/V scales calibrated on the model, or None for f32/bf16."""
-    if kv_dtype != "fp8":
-        return None
-    from .calibrate import CALIBRATION_TEXT, fp8_kv_scales
-
-    return fp8_kv_scales(decoder, ckpt.tokenizer.encode(CALIBRATION_TEXT))

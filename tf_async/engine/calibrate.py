@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..models.batch_io import ForwardBatch
+from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
 
 E4M3_MAX = 448.0
@@ -38,3 +39,10 @@ def fp8_kv_scales(decoder: Decoder, token_ids: list[int] | None = None) -> np.nd
     run(batch, kv, ones)
     amax = np.abs(ops.to_host(kv)).reshape(cfg.num_layers, 2, -1).max(axis=-1)
     return (np.maximum(amax, 1e-6) * HEADROOM / E4M3_MAX).astype(np.float32)
+
+
+def kv_scales_for(decoder: Decoder, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray | None:
+    """Per-layer fp8 K/V scales calibrated on the model, or None for f32/bf16."""
+    if kv_dtype != "fp8":
+        return None
+    return fp8_kv_scales(decoder, ckpt.tokenizer.encode(CALIBRATION_TEXT))

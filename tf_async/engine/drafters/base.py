@@ -7,7 +7,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..choice import TargetChooser
-from ..drafting import DraftContext, DraftContexts, zero_stats
+from ..drafting import zero_stats
+from .contexts import DraftContext, DraftContexts
 
 if TYPE_CHECKING:
     from ..sequence import Sequence
