@@ -176,6 +176,19 @@ def test_mtp_on_a_model_without_mtp_layer_and_unknown_drafter_are_clear_errors(t
         build(tiny_llama, "medusa")
 
 
+def test_drafter_specs_parse_against_the_one_table_of_kinds():
+    from tf_async.engine.drafters.registry import KINDS, parse_drafter
+    from tf_async.engine.drafting import DrafterSpec
+
+    assert set(KINDS) == {"ngram", "mtp", "draft"}
+    assert parse_drafter("ngram") == DrafterSpec("ngram")
+    assert parse_drafter("mtp") == DrafterSpec("mtp")
+    assert parse_drafter("draft:/m/a:b") == DrafterSpec("draft", "/m/a:b")
+    for bad in ("draft", "draft:", "ngram:x", "mtp:", "medusa", ""):
+        with pytest.raises(BadInputError, match="expected one of ngram, mtp, draft:PATH"):
+            parse_drafter(bad)
+
+
 def test_ngram_proposals_shrink_after_a_rejection_and_grow_back_after_full_acceptance():
     from tf_async.engine.sequence import SeqRows
 
