@@ -19,7 +19,7 @@ import pytest
 from tests.engine_helpers import engines_on_ops, idle_stats, record_plans
 from tf_async import Engine
 from tf_async.api_types import SamplingParams
-from tf_async.backend.base import device_sampler
+from tf_async.backend.base import Capabilities, device_sampler
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.engine.choice import token_choices
 from tf_async.engine.runner import Runner
@@ -50,6 +50,8 @@ def twin_sample(row: np.ndarray, temp: float, top_k: int, top_p: float, seed: in
 
 class DeviceStyleOps:
     """CpuOps with the optional device-sampler capability; records every to_host copy."""
+
+    capabilities = Capabilities(device_sampling=True)
 
     def __init__(self) -> None:
         self._inner = CpuOps()
@@ -158,7 +160,7 @@ def test_all_greedy_is_one_argmax_and_no_logits_copied():
 
 def test_without_a_device_sampler_every_row_goes_to_the_host_as_before():
     class HostOnly(DeviceStyleOps):
-        chooses_tokens = False
+        capabilities = Capabilities()  # has the methods, does not declare the capability
 
     for ops in (HostOnly(), CpuOps()):
         assert device_sampler(ops) is None

@@ -150,3 +150,11 @@ def test_the_checker_sees_a_cycle_and_function_local_imports() -> None:
     tree = ast.parse(source)
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
     assert resolve("tf_async.models.decoder", False, node.module, node.level) == "tf_async.engine"
+
+
+def test_only_the_backend_imports_cuda_kernels() -> None:
+    """backend/ is the one door to the kernels (DESIGN.md, Layers)."""
+    reaching = sorted(f"{module} -> {target}" for module, targets in import_graph().items()
+                      for target in targets if target.startswith("cuda_kernels")
+                      and not module.startswith(("cuda_kernels", "tf_async.backend")))
+    assert reaching == []

@@ -12,6 +12,7 @@ import pytest
 
 from tests.engine_helpers import engines_on_ops
 from tf_async.api import Engine
+from tf_async.backend.base import Capabilities
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.errors import BadInputError
 from tf_async.models.batch_io import pack_batch
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.asyncio
 
 class CheckTrackingOps:
     """CpuOps with CudaOps' `unchecked()` switch; records the switch at every embed call."""
+
+    capabilities = Capabilities(device_checks=True)
 
     def __init__(self) -> None:
         self._inner = CpuOps()
@@ -103,6 +106,6 @@ async def test_a_row_past_its_lanes_pages_is_refused_not_read_from_another_lane(
         runner._forward((inside,), tables)  # a row inside its lane's pages runs
         with pytest.raises(BadInputError, match="out of range"):  # the runner's host check
             runner._forward((inside, past), tables)
-        tracking_ops[0].unchecked = None  # no host check: the backend's own checks refuse it
+        tracking_ops[0].capabilities = Capabilities()  # no host check: the backend's own checks refuse it
         with pytest.raises(ValueError, match="must lie in|outside"):
             runner._forward((inside, past), tables)

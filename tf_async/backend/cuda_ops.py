@@ -15,7 +15,7 @@ CUDA graph); the caller must have checked the indices itself (tf_async/models/gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError
-from .weights import AffineWeight, DenseWeight, Linear
+from .base import Capabilities
+from .weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
 
 KV_DTYPES: dict[str, Any] = {
     "f32": np.float32, "float32": np.float32,
@@ -102,15 +103,16 @@ def _module_of(array: Any) -> Any:
     return cupy
 
 
-def _load_cuda() -> tuple[Any, Any, Any]:
-    """(cupy, numba.cuda, cuda_kernels.launch), or BadInputError naming what is missing."""
+def _load_cuda() -> tuple[Any, Any, Any, Any]:
+    """(cupy, numba.cuda, cuda_kernels.launch, cuda_kernels.gdn), or BadInputError naming what
+    is missing."""
     try:
         import cupy
     except ImportError as exc:
         raise BadInputError(f"--device cuda needs CuPy ({exc}); pip install 'tf-async[cuda]'",
                             param="device") from exc
     try:
-        from cuda_kernels import launch
+        from cuda_kernels import gdn, launch
         from cuda_kernels.env import cuda
     except Exception as exc:  # CudaUnavailableError, or numba-cuda failing to import
         raise BadInputError(f"--device cuda: {exc}", param="device") from exc
@@ -120,7 +122,7 @@ def _load_cuda() -> tuple[Any, Any, Any]:
         raise BadInputError(f"--device cuda: no usable CUDA driver ({exc})", param="device") from exc
     if gpus < 1 or not cuda.is_available():
         raise BadInputError("--device cuda: no CUDA GPU found", param="device")
-    return cupy, cuda, launch
+    return cupy, cuda, launch, gdn
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +144,10 @@ class CudaOps:
     """Ops on one GPU: CuPy arrays in and out, Numba CUDA kernels inside."""
 
     name = "cuda"
+    capabilities = Capabilities(device_sampling=True, device_checks=True, cuda_graphs=True)
 
     def __init__(self) -> None:
-        self.xp, self._cuda, self._launch = _load_cuda()
+        self.xp, self._cuda, self._launch, self._gdn = _load_cuda()
         self._streams: dict[int, Any] = {}
         self._no_experts = self.xp.zeros(1, dtype=self.xp.int32)
         self._no_scales = self.xp.zeros((1, 1, 1), dtype=self.xp.float32)
@@ -161,6 +164,13 @@ class CudaOps:
             yield
         finally:
             self.device_checks = before
+
+    def capture_programmatic(self, stream: Any, record: Callable[[], None]) -> Any | None:
+        """cuda_kernels/graphs.py: the graph of record()'s launches with programmatic edges,
+        or None where the device or driver cannot."""
+        from cuda_kernels.graphs import capture_programmatic  # only graph captures need it
+
+        return capture_programmatic(stream, record)
 
     def _range(self, values: Any, name: str, low: int, high: int) -> None:
         if self.device_checks:
@@ -212,8 +222,9 @@ class CudaOps:
         raise BadInputError(f"unknown weight kind {type(w).__name__}")
 
     # ------------------------------------------------------------------ matmuls
-    def linear(self, x: Any, w: Linear, bias: Any | None = None) -> Any:
+    def linear(self, x: Any, w: FusedLinear, bias: Any | None = None) -> Any:
         """x [..., in] @ w.T (+ bias) -> [..., out_f]; x may be Int8Rows [rows, in]."""
+        w = _one_weight(w)
         if isinstance(x, Int8Rows):
             self._check_int8_rows(x, "linear x", x.shape[0], w)
             rows: Any = x
@@ -240,10 +251,11 @@ class CudaOps:
         if kind != x.kind or not self._launch.uses_int8_x(kind, words.reshape(-1, *words.shape[-2:]), group_size):
             raise BadInputError(f"{name}: int8 rows for {x.kind} weights, the weight is {kind} (or takes float32 x)")
 
-    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: Linear) -> Any:
+    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: FusedLinear) -> Any:
         """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
         (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
         else rms_norm's float32 rows. x [rows, dim]."""
+        linear = _one_weight(linear)
         kind = self._int8_form(linear)
         if kind is None:
             return self.rms_norm(x, w, eps)
@@ -295,10 +307,9 @@ class CudaOps:
                             path=path, grouped=grouped, epilogue=epilogue, **scratch)
 
     # ------------------------------------------------------------------ fused layer ops
-    # The decoder's fast path on this backend (Decoder checks `fused_layers`): one matmul for
-    # q|k|v and one for gate|up, the residual added by the matmul that produces it, and the
-    # attention inputs prepared in one launch. Each gives the bits of the ops it replaces.
-    fused_layers = True
+    # The decoder's layer ops (Ops protocol) as fused launches: one matmul for q|k|v and one
+    # for gate|up, the residual added by the matmul that produces it, and the attention inputs
+    # prepared in one launch. Each gives the bits of the ops it replaces.
 
     def concat_linears(self, ws: list[Linear]) -> tuple[Linear, list[Linear]] | None:
         """One weight whose rows are those of ws one after another, and views of it equal to
@@ -337,9 +348,10 @@ class CudaOps:
             self._matmul(x, w, out, None, epilogue="add")
         return out
 
-    def swiglu_linear(self, x: Any, gate_up: Linear) -> Any:
+    def swiglu_linear(self, x: Any, gate_up: FusedLinear) -> Any:
         """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (concat_linears); the bits of
         silu_mul(linear(x, gate), linear(x, up))."""
+        gate_up = _one_weight(gate_up)
         if isinstance(x, Int8Rows):
             self._check_int8_rows(x, "swiglu_linear x", x.shape[0], gate_up)
         else:
@@ -656,6 +668,64 @@ class CudaOps:
             parts = [self._dev(a) for a in (logits, temperatures, top_ks, top_ps, seeds, positions, out)]
             self._launch.sample(*parts, self._stream())
         return out
+
+    # ------------------------------------------------------------------ Gated DeltaNet
+    # The launchers of cuda_kernels/gdn.py on Numba views (no sync) and the current stream.
+    def _empty(self, shape: tuple[int, ...]) -> Any:
+        return self.xp.empty(shape, dtype=np.float32)
+
+    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any) -> Any:
+        out = self._empty(x.shape)
+        dev = self._dev
+        self._gdn.causal_conv1d_batch(dev(x), dev(conv_states), dev(weight), dev(row_lanes),
+                                      dev(out), stream=self._stream())
+        return out
+
+    def gdn_qk_l2norm(self, mixed: Any, num_k_heads: int, head_k_dim: int, eps: float,
+                      q_scale: float) -> tuple[Any, Any]:
+        shape = (mixed.shape[0], num_k_heads, head_k_dim)
+        q, k = self._empty(shape), self._empty(shape)
+        self._gdn.gdn_qk_l2norm(self._dev(mixed), num_k_heads, head_k_dim, eps, q_scale,
+                                self._dev(q), self._dev(k), stream=self._stream())
+        return q, k
+
+    def gdn_gates(self, a: Any, b: Any, a_log: Any, dt_bias: Any) -> tuple[Any, Any]:
+        g, beta = self._empty(a.shape), self._empty(a.shape)
+        parts = [self._dev(x) for x in (a, b, a_log, dt_bias, g, beta)]
+        self._gdn.gdn_gates(*parts, stream=self._stream())
+        return g, beta
+
+    def gated_delta_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any,
+                         row_lanes: Any) -> Any:
+        out = self._empty(v.shape)
+        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, out)]
+        self._gdn.gated_delta_rule_batch(*parts, stream=self._stream())
+        return out
+
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
+        out = self._empty(x.shape)
+        dev = self._dev
+        self._gdn.gated_rms_norm(dev(x), dev(z), dev(weight), eps, dev(out), stream=self._stream())
+        return out
+
+    def split_query_gate(self, qg: Any, num_heads: int, head_dim: int) -> tuple[Any, Any]:
+        rows = qg.shape[0]
+        q = self._empty((rows, num_heads, head_dim))
+        gate = self._empty((rows, num_heads * head_dim))
+        self._gdn.split_query_gate(self._dev(qg), num_heads, head_dim, self._dev(q),
+                                   self._dev(gate), stream=self._stream())
+        return q, gate
+
+    def sigmoid_gate_mul(self, x: Any, gate: Any) -> None:
+        self._gdn.sigmoid_gate_mul(self._dev(x), self._dev(gate), self._dev(x),
+                                   stream=self._stream())
+
+
+def _one_weight(w: FusedLinear) -> Linear:
+    """CudaOps' fused weights are concatenations (concat_linears), never LinearParts."""
+    if isinstance(w, LinearParts):
+        raise BadInputError("CudaOps multiplies one concatenated weight, not LinearParts")
+    return w
 
 
 def _rows_of(w: Linear, start: int, stop: int) -> Linear:

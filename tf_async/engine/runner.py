@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -174,7 +174,7 @@ class Runner:
             with self._host_checked(batch):
                 logits, _ = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
             chosen.append(self._choose_each(step, logits, uploaded))
-        ids = self.ops.to_host(getattr(self.ops, "xp", np).stack(chosen))  # [steps, rows]
+        ids = self.ops.to_host(self.ops.xp.stack(chosen))  # [steps, rows]
         return RoundResult({}, {}, {}, {r.request_id: ids[:, i].tolist() for i, r in enumerate(all_rows)})
 
     def _choose_each(self, all_rows: tuple[SeqRows, ...], logits: Any, uploaded: tuple[Any, ...] | None) -> Any:
@@ -201,13 +201,12 @@ class Runner:
         """Check the round's indices once, on the packed host copy (NumPy, no device work),
         and run the forward without the backend's per-op device checks (on the GPU each is a
         host sync: a few per layer). A batch without a host copy keeps the device checks."""
-        unchecked = getattr(self.ops, "unchecked", None)
         packed = packed_of(batch)
-        if unchecked is None or packed is None:
+        if not self.ops.capabilities.device_checks or packed is None:
             return nullcontext()
         check_indices(packed.layout, packed.host, vocab=self.decoder.weights.embed.out_features,
                       num_slots=int(self.arena.kv.shape[2]), page_size=batch.page_size)
-        return cast(AbstractContextManager[Any], unchecked())
+        return self.ops.unchecked()
 
     def _choose(self, all_rows: tuple[SeqRows, ...], logits: Any,
                 ) -> tuple[dict[int, np.ndarray], dict[int, list[int]]]:

@@ -187,7 +187,7 @@ def pack_host(*, token_ids: Sequence[int] | np.ndarray, positions: Sequence[int]
 def upload(ops: Ops, layout: Layout, host: np.ndarray, page_size: int) -> ForwardBatch:
     """One copy of the packed buffer to the ops' device; the batch's fields view it."""
     device = _uploader(ops).put(host) if ops.name == "cuda" else ops.asarray(host)
-    v = layout.views(device, getattr(ops, "xp", None))
+    v = layout.views(device, ops.xp)
     return ForwardBatch(v.token_ids, v.positions, v.slots, v.row_seq, v.block_table, v.logit_rows,
                         page_size, v.seq_lanes, PackedBatch(layout, host, device, v))
 

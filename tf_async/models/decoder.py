@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backend.base import Array, Ops
+from ..backend.weights import FusedLinear
 from .batch_io import ForwardBatch
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .rope import rope_tables
@@ -24,7 +25,7 @@ class Decoder:
         self.config = ckpt.config
         self.ops = ops
         self.weights = _upload(ckpt.weights, ops)
-        self.fused = _fuse_layers(self.weights, ops) if getattr(ops, "fused_layers", False) else None
+        self.fused = _fuse_layers(self.weights, ops)
         inv_freq, self.mscale = rope_tables(ckpt.config, ckpt.weights.rope_freq_divisors)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(ckpt.config.head_dim)
@@ -33,11 +34,11 @@ class Decoder:
         """Run the rows; return (logits [m, V], final-normed hidden [m, H]) of batch.logit_rows."""
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
-        for index, layer in enumerate(w.layers):
-            fused = self.fused[index] if self.fused is not None else None
+        for index, (layer, fused) in enumerate(zip(w.layers, self.fused, strict=True)):
             if fused is not None:
                 self._fused_layer(index, layer, fused, h, batch, kv, kv_scales)  # h in place
                 continue
+            # a layer whose q, k, v cannot be fused (some biases but not all; CUDA: mixed kinds)
             h = h + self._attention(index, layer, h, batch, kv, kv_scales)
             h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
         hidden = ops.rms_norm(h[batch.logit_rows], w.final_norm, self.config.rms_norm_eps)
@@ -63,12 +64,11 @@ class Decoder:
 
     def _fused_layer(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
                      batch: ForwardBatch, kv: Array, kv_scales: Array) -> None:
-        """One layer with the backend's fused ops (CudaOps.fused_layers): the bits of
-        _attention and _mlp, in 8 ops instead of 18 (the *_for ops: an output that only a
-        matmul on int8 x reads is written as that int8 x by the launch that makes it: the
-        norms and attention); h is updated in place."""
-        ops: Any = self.ops
-        cfg = self.config
+        """One layer with the backend's layer ops: the bits of _attention and _mlp, in 8 ops
+        instead of 18 on CUDA (the *_for ops: an output that only a matmul on int8 x reads is
+        written as that int8 x by the launch that makes it: the norms and attention), the
+        basic ops themselves on the CPU; h is updated in place."""
+        ops, cfg = self.ops, self.config
         eps = cfg.rms_norm_eps
         qkv = ops.linear(ops.rms_norm_for(h, layer.input_norm, eps, fused.qkv), fused.qkv, fused.qkv_bias)
         q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
@@ -101,12 +101,12 @@ class FusedLayer:
     """A layer's concatenated weights for the fused path: q|k|v (and their biases), and
     gate|up of a dense MLP (None for MoE layers)."""
 
-    qkv: Any
+    qkv: FusedLinear
     qkv_bias: Array | None
-    gate_up: Any | None
+    gate_up: FusedLinear | None
 
 
-def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
+def _fuse_layers(weights: ModelWeights, ops: Ops) -> list[FusedLayer | None]:
     """Concatenate each layer's q, k, v (and gate, up) on the device; the layer keeps views
     of the concatenation, so no weight is held twice. A layer whose q, k, v differ in kind
     (e.g. mixed GGUF quant types) or carry some biases but not all is not fused."""
@@ -122,7 +122,7 @@ def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
         gate_up = None
         if layer.gate is not None and layer.up is not None:
             gate_up = ops.concat_linears([layer.gate, layer.up])
-        views = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
+        views: dict[str, Any] = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
         if gate_up is not None:
             views.update(gate=gate_up[1][0], up=gate_up[1][1])
         weights.layers[i] = replace(layer, **views)

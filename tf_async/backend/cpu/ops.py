@@ -7,12 +7,14 @@ instead of reading or writing out of bounds inside compiled code.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 
-from ..weights import AffineWeight, DenseWeight, Linear
-from . import kernels
+from ..base import Capabilities
+from ..weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
+from . import gdn, kernels
 
 KV_DTYPES: dict[str, Any] = {
     "f32": np.float32, "float32": np.float32,
@@ -97,6 +99,7 @@ class CpuOps:
 
     name = "cpu"
     xp = np
+    capabilities = Capabilities()  # host sampler, checks on the host already, no graphs
 
     def __init__(self, int8_x: bool = False) -> None:
         self._checked: dict[int, Linear] = {}  # id -> uploaded weight (kept alive: no id reuse)
@@ -123,9 +126,16 @@ class CpuOps:
     def synchronize(self) -> None:
         """Kernels run synchronously on the CPU."""
 
+    def unchecked(self) -> AbstractContextManager[None]:
+        """The CPU's checks read host memory (no sync to save): they always run."""
+        return nullcontext()
+
     # ------------------------------------------------------------------ matmuls
-    def linear(self, x: np.ndarray, w: Linear, bias: np.ndarray | None = None) -> np.ndarray:
-        """x [..., in] @ w.T (+ bias) -> [..., out_f]."""
+    def linear(self, x: np.ndarray, w: FusedLinear, bias: np.ndarray | None = None) -> np.ndarray:
+        """x [..., in] @ w.T (+ bias) -> [..., out_f]; LinearParts: the parts side by side."""
+        if isinstance(w, LinearParts):
+            out = np.concatenate([self.linear(x, part) for part in w.parts], axis=-1)
+            return self._add_bias(out, bias, w.out_features)
         if self._checked.get(id(w)) is not w:
             _check_weight(w)
         _check(x, "linear x", np.float32)
@@ -143,11 +153,15 @@ class CpuOps:
             kernels.matmul_affine(rows, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
         else:
             kernels.matmul_dense(rows, w.w, out)
+        return self._add_bias(out, bias, w.out_features).reshape(*x.shape[:-1], w.out_features)
+
+    @staticmethod
+    def _add_bias(out: np.ndarray, bias: np.ndarray | None, out_features: int) -> np.ndarray:
         if bias is not None:
             _check(bias, "linear bias", np.float32, 1)
-            _check_shape(bias, "linear bias", (w.out_features,))
+            _check_shape(bias, "linear bias", (out_features,))
             out += bias
-        return out.reshape(*x.shape[:-1], w.out_features)
+        return out
 
     def embed(self, w: Linear, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` [rows] int64 of the table w [V, H] -> [rows, H] float32."""
@@ -289,3 +303,94 @@ class CpuOps:
         for j in range(top_k):
             out += weights[:, j, None] * expert_out[:, j]
         return out
+
+    # ------------------------------------------------------------------ layer ops
+    # CudaOps fuses each into fewer launches (the same bits); here each is the basic ops it
+    # stands for, so the CPU runs the decoder's one layer code with the bits of those ops.
+    def concat_linears(self, ws: list[Linear]) -> tuple[LinearParts, list[Linear]]:
+        """ws kept apart (the checkpoint holds them: a concatenation would be a second copy)."""
+        return LinearParts(tuple(ws)), list(ws)
+
+    def rms_norm_for(self, x: np.ndarray, w: np.ndarray, eps: float,
+                     linear: FusedLinear) -> np.ndarray:
+        return self.rms_norm(x, w, eps)
+
+    def attn_inputs(self, qkv: np.ndarray, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
+                    eps: float, positions: np.ndarray, inv_freq: np.ndarray, mscale: float,
+                    kv: np.ndarray, layer: int, slots: np.ndarray, kv_scales: np.ndarray | None,
+                    num_heads: int) -> np.ndarray:
+        _check_kv(kv, layer)
+        nkv, hd = kv.shape[3], kv.shape[4]
+        rows, q_width, k_width = qkv.shape[0], num_heads * hd, nkv * hd
+        _check(qkv, "attn_inputs qkv", np.float32, 2)
+        _check_shape(qkv, "attn_inputs qkv", (rows, q_width + 2 * k_width))
+        q, k, v = (np.ascontiguousarray(qkv[:, lo:hi]).reshape(rows, -1, hd) for lo, hi in
+                   ((0, q_width), (q_width, q_width + k_width), (q_width + k_width, qkv.shape[1])))
+        if q_norm is not None:
+            assert k_norm is not None
+            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        self.rope(q, positions, inv_freq, mscale)
+        self.rope(k, positions, inv_freq, mscale)
+        self.kv_write(kv, layer, k, v, slots, kv_scales)
+        return q
+
+    def attention_for(self, q: np.ndarray, kv: np.ndarray, layer: int,
+                      kv_scales: np.ndarray | None, block_table: np.ndarray, row_seq: np.ndarray,
+                      row_pos: np.ndarray, page_size: int, sm_scale: float,
+                      linear: Linear) -> np.ndarray:
+        out = self.attention(q, kv, layer, kv_scales, block_table, row_seq, row_pos, page_size,
+                             sm_scale)
+        return out.reshape(q.shape[0], q.shape[1] * q.shape[2])
+
+    def linear_into(self, x: np.ndarray, w: Linear, out: np.ndarray) -> np.ndarray:
+        out += self.linear(x, w)
+        return out
+
+    def swiglu_linear(self, x: np.ndarray, gate_up: FusedLinear) -> np.ndarray:
+        if not isinstance(gate_up, LinearParts) or len(gate_up.parts) != 2:
+            raise ValueError("swiglu_linear: expected concat_linears([gate, up])")
+        gate, up = gate_up.parts
+        return self.silu_mul(self.linear(x, gate), self.linear(x, up))
+
+    # ------------------------------------------------------------------ Gated DeltaNet
+    def causal_conv1d(self, x: np.ndarray, conv_states: np.ndarray, weight: np.ndarray,
+                      row_lanes: np.ndarray) -> np.ndarray:
+        out = np.empty(x.shape, np.float32)
+        gdn.causal_conv1d_batch(x, conv_states, weight, row_lanes, out)
+        return out
+
+    def gdn_qk_l2norm(self, mixed: np.ndarray, num_k_heads: int, head_k_dim: int, eps: float,
+                      q_scale: float) -> tuple[np.ndarray, np.ndarray]:
+        shape = (mixed.shape[0], num_k_heads, head_k_dim)
+        q, k = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        gdn.gdn_qk_l2norm(mixed, num_k_heads, head_k_dim, eps, q_scale, q, k)
+        return q, k
+
+    def gdn_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray,
+                  dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        g, beta = np.empty(a.shape, np.float32), np.empty(a.shape, np.float32)
+        gdn.gdn_gates(a, b, a_log, dt_bias, g, beta)
+        return g, beta
+
+    def gated_delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                         beta: np.ndarray, states: np.ndarray, row_lanes: np.ndarray) -> np.ndarray:
+        out = np.empty(v.shape, np.float32)
+        gdn.gated_delta_rule_batch(q, k, v, g, beta, states, row_lanes, out)
+        return out
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray,
+                       eps: float) -> np.ndarray:
+        out = np.empty(x.shape, np.float32)
+        gdn.gated_rms_norm(x, z, weight, eps, out)
+        return out
+
+    def split_query_gate(self, qg: np.ndarray, num_heads: int,
+                         head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = qg.shape[0]
+        q = np.empty((rows, num_heads, head_dim), np.float32)
+        gate = np.empty((rows, num_heads * head_dim), np.float32)
+        gdn.split_query_gate(qg, num_heads, head_dim, q, gate)
+        return q, gate
+
+    def sigmoid_gate_mul(self, x: np.ndarray, gate: np.ndarray) -> None:
+        gdn.sigmoid_gate_mul(x, gate, x)
