@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -120,7 +121,7 @@ def test_device_choices_carry_the_host_samplers_positions_and_seed():
 def bare_runner(ops: Any) -> Runner:
     runner = Runner.__new__(Runner)
     runner.ops = ops
-    runner.decoder = None  # no GraphDecoder: no argmax of its own
+    runner.decoder = SimpleNamespace(argmax_of=lambda logits: None)  # no graph: no argmax of its own
     runner.sampler = device_sampler(ops)
     return runner
 

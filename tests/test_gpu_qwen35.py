@@ -493,7 +493,7 @@ def _run(decoder: Any, streams: list[tuple[int, list[int]]], step: int | None = 
 def test_hybrid_decoder_gpu_logits_close_to_cpu_and_batch_invariant(hybrids, name) -> None:  # noqa: ANN001
     from tf_async.backend.cpu.ops import CpuOps
     from tf_async.backend.cuda_ops import CudaOps
-    from tf_async.models.qwen35 import make_decoder
+    from tf_async.models.loader import make_decoder
 
     ckpt = hybrids[name]
     streams = [(lane, list(ids)) for lane, ids in enumerate(STREAM_TOKENS)]

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend.base import Ops
+from ..backend.base import Ops, graph_ops
 from ..backend.select import make_ops
 from ..errors import BadInputError
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
-from ..models.qwen35 import make_decoder
+from ..models.graph_decoder import GraphDecoder
+from ..models.loader import make_decoder
+from ..models.protocol import DecoderProtocol
 from .calibrate import kv_scales_for
 from .core import EngineCore
 from .drafters.registry import attach_drafter
@@ -27,7 +29,7 @@ from .sequence import TokenEvent
 class EngineParts:
     checkpoint: Checkpoint
     ops: Ops
-    decoder: Decoder  # or a HybridDecoder (qwen3_5 / qwen3_5_moe) with its lanes' states
+    decoder: DecoderProtocol  # a HybridDecoder (qwen3_5 / qwen3_5_moe) holds its lanes' states
     arena: Arena
     lanes: Lanes
     scheduler: Scheduler
@@ -83,7 +85,7 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
                   kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
-                          recurrent=getattr(decoder, "states", None) is not None,
+                          recurrent=decoder.states is not None,
                           decode_steps=options.get("decode_steps", 1))
     runner = Runner(_maybe_graphs(decoder, options), arena)
     core = EngineCore(scheduler, runner, publish)
@@ -95,11 +97,11 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
 
 
-def _maybe_graphs(decoder: Decoder, options: dict[str, Any]) -> Decoder:
-    """With `cuda_graphs` on a CUDA device, decode-shaped rounds of a dense model replay a
-    captured CUDA graph (one launch instead of ~700); everything else runs eagerly."""
-    if not options.get("cuda_graphs") or decoder.ops.name != "cuda" or hasattr(decoder, "states"):
+def _maybe_graphs(decoder: DecoderProtocol, options: dict[str, Any]) -> DecoderProtocol:
+    """With `cuda_graphs` on ops that capture graphs, decode-shaped rounds of a dense model
+    replay a captured CUDA graph (one launch instead of ~700); everything else runs eagerly."""
+    if not options.get("cuda_graphs") or graph_ops(decoder.ops) is None:
         return decoder
-    from ..models.graph_decoder import GraphDecoder
-
-    return GraphDecoder(decoder)  # type: ignore[return-value]
+    if not isinstance(decoder, Decoder):  # recurrent state (hybrids) is not captured
+        return decoder
+    return GraphDecoder(decoder)

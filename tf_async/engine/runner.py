@@ -19,7 +19,7 @@ import numpy as np
 
 from ..backend.base import DeviceSampler, Ops, device_sampler
 from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
-from ..models.decoder import Decoder
+from ..models.protocol import DecoderProtocol
 from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
@@ -30,7 +30,7 @@ KV_DTYPES = ("f32", "bf16", "fp8")
 class Arena:
     """KV memory: kv [layers, 2, num_pages * page_size, nkv, hd] plus per-layer fp8 scales."""
 
-    def __init__(self, ops: Ops, decoder: Decoder, *, num_pages: int, page_size: int,
+    def __init__(self, ops: Ops, decoder: DecoderProtocol, *, num_pages: int, page_size: int,
                  kv_dtype: str, kv_scales: np.ndarray | None = None):
         cfg = decoder.config
         self.num_pages = num_pages
@@ -55,11 +55,11 @@ class Arena:
 
 
 class Runner:
-    def __init__(self, decoder: Decoder, arena: Arena):
+    def __init__(self, decoder: DecoderProtocol, arena: Arena):
         self.decoder = decoder
         self.ops = decoder.ops
         self.arena = arena
-        self.states: RecurrentStates | None = getattr(decoder, "states", None)
+        self.states: RecurrentStates | None = decoder.states
         self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
         self._state_touched = False  # the decoder's forward ran (recurrent state may be advanced)
         # Tests set this to raise inside a step for chosen requests (failure injection).
@@ -142,11 +142,8 @@ class Runner:
         batch = self._batch(all_rows, tables)
         self._state_touched = True
         with self._host_checked(batch):
-            if self.all_hidden:
-                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
-                                                      all_hidden=True)  # type: ignore[call-arg]
-            else:
-                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
+            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
+                                                  all_hidden=self.all_hidden)
         host, tokens = self._choose(all_rows, logits)
         return self._split(all_rows, host, tokens, hidden, every_row=self.all_hidden)
 
@@ -192,8 +189,7 @@ class Runner:
         """The chosen ids [rows] (device) of logits [rows, V]: the graph's own argmax when the
         decoder replayed them and every row is greedy (GraphDecoder), else one launch."""
         assert self.sampler is not None
-        in_graph = getattr(self.decoder, "argmax_of", None)
-        greedy = in_graph(logits) if in_graph is not None and all(c.greedy for c in choices) else None
+        greedy = self.decoder.argmax_of(logits) if all(c.greedy for c in choices) else None
         return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices,
                                                                   uploaded)
 
@@ -295,7 +291,7 @@ class Runner:
     def _seq_lanes(self, lanes: list[int]) -> np.ndarray | None:
         """Block-table row -> lane (host; packed with the batch), for models with per-lane
         recurrent state only (a dense round without it can be replayed from a CUDA graph)."""
-        if getattr(self.decoder, "states", None) is None:
+        if self.decoder.states is None:
             return None
         return np.asarray(lanes, np.int32)
 

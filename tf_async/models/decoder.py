@@ -30,8 +30,21 @@ class Decoder:
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(ckpt.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
-        """Run the rows; return (logits [m, V], final-normed hidden [m, H]) of batch.logit_rows."""
+    @property
+    def states(self) -> None:
+        """No recurrent state: every layer is attention (DecoderProtocol)."""
+        return None
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        return self.forward(batch, kv, kv_scales)
+
+    def argmax_of(self, logits: Array) -> None:
+        return None
+
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                all_hidden: bool = False) -> tuple[Array, Array]:
+        """Run the rows; return (logits [m, V] of batch.logit_rows, final-normed hidden [m, H]
+        of those rows, or [rows, H] of every row when `all_hidden`)."""
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
         for index, (layer, fused) in enumerate(zip(w.layers, self.fused, strict=True)):
@@ -41,8 +54,10 @@ class Decoder:
             # a layer whose q, k, v cannot be fused (some biases but not all; CUDA: mixed kinds)
             h = h + self._attention(index, layer, h, batch, kv, kv_scales)
             h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
-        hidden = ops.rms_norm(h[batch.logit_rows], w.final_norm, self.config.rms_norm_eps)
-        return ops.linear(hidden, w.lm_head), hidden
+        hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm,
+                              self.config.rms_norm_eps)
+        logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
+        return ops.linear(logit_hidden, w.lm_head), hidden
 
     def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
                    kv: Array, kv_scales: Array) -> Array:

@@ -66,7 +66,7 @@ class _Captured:
 
 
 class GraphDecoder:
-    """Same interface as Decoder (config, ops, weights, forward); wraps one Decoder on CudaOps."""
+    """A DecoderProtocol that wraps one dense Decoder on GraphOps (CudaOps)."""
 
     def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True,
                  max_graphs: int = 32):
@@ -88,8 +88,13 @@ class GraphDecoder:
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.decoder, name)  # inv_freq, mscale, sm_scale, ...
+    @property
+    def states(self) -> None:
+        """Dense models only: a round with recurrent state is never captured."""
+        return None
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        return self.decoder.forward(batch, kv, kv_scales)
 
     def argmax_of(self, logits: Array) -> Array | None:
         """ops.argmax(logits), computed inside the graph, when `logits` is the very array the
@@ -98,9 +103,12 @@ class GraphDecoder:
             return self._greedy[1]
         return None
 
-    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                all_hidden: bool = False) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         self._greedy = None
+        if all_hidden:  # every row's hidden: not what a graph captures
+            return self.decoder.forward(batch, kv, kv_scales, all_hidden=True)
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)

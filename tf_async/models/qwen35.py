@@ -334,6 +334,9 @@ class HybridDecoder:
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
         return ops.linear(logit_hidden, w.lm_head), hidden
 
+    def argmax_of(self, logits: Array) -> None:
+        return None
+
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """Forward with fresh zero states, one lane per block-table row (calibration, tests)."""
         num_seqs = int(batch.block_table.shape[0])
@@ -404,15 +407,3 @@ class HybridDecoder:
                                                     shared.shape))
         ops.sigmoid_gate_mul(shared, gate)
         return routed + shared
-
-
-def make_decoder(checkpoint: Any, ops: Ops, *, num_lanes: int = 1) -> Any:
-    """The decoder for a checkpoint: HybridDecoder (with a RecurrentStates store for
-    `num_lanes` lanes attached) for qwen3_5 / qwen3_5_moe, else the dense Decoder."""
-    if isinstance(checkpoint.weights, HybridWeights):
-        decoder = HybridDecoder(checkpoint, ops)
-        decoder.attach_states(decoder.new_states(num_lanes))
-        return decoder
-    from .decoder import Decoder
-
-    return Decoder(checkpoint, ops)

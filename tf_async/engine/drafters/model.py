@@ -18,6 +18,7 @@ from ...errors import BadInputError
 from ...models.batch_io import ForwardBatch
 from ...models.decoder import Decoder
 from ...models.loader import load_checkpoint
+from ...models.protocol import DecoderProtocol
 from ...models.qwen35 import HybridWeights
 from ..area import AreaLayout
 from ..calibrate import kv_scales_for
@@ -43,7 +44,7 @@ log = logging.getLogger("tf_async.drafting")
 class ModelDrafter(ContextDrafter):
     name = "draft"
 
-    def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts,
+    def __init__(self, decoder: DecoderProtocol, kv_scales: Any, contexts: DraftContexts,
                  draft_tokens: int):
         super().__init__(decoder.ops, kv_scales, contexts, draft_tokens)
         self.decoder = decoder

@@ -25,7 +25,7 @@ from ...backend.base import Array
 from ...errors import BadInputError
 from ...models.batch_io import ForwardBatch
 from ...models.mtp import MtpHead, make_mtp_head
-from ...models.qwen35 import GatedAttentionWeights
+from ...models.qwen35 import GatedAttentionWeights, HybridWeights, MtpWeights
 from ..area import AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
@@ -151,9 +151,9 @@ def ready(ctx: DraftContext, seq: Sequence) -> bool:
 
 
 # ---- construction -------------------------------------------------------------------------
-def find_mtp_head(ckpt: Checkpoint) -> Any | None:
+def find_mtp_head(ckpt: Checkpoint) -> MtpWeights | None:
     """The checkpoint's MTP weights, detected by tensor presence (`mtp.fc.weight`) at load."""
-    return getattr(ckpt.weights, "mtp", None)
+    return ckpt.weights.mtp if isinstance(ckpt.weights, HybridWeights) else None
 
 
 def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
@@ -161,7 +161,7 @@ def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
     return AreaLayout.for_model(ckpt.config, capacity, kv_dtype, num_layers=1)
 
 
-def require_mtp_head(ckpt: Checkpoint) -> Any:
+def require_mtp_head(ckpt: Checkpoint) -> MtpWeights:
     """The MTP weights, or a BadInputError saying why there are none (not a hybrid; a config
     that declares MTP but files without mtp.* tensors; unsupported)."""
     head = find_mtp_head(ckpt)
@@ -180,7 +180,7 @@ def make_mtp_drafter(spec: DrafterSpec, options: dict[str, Any], ckpt: Checkpoin
     capacity = ring_capacity_option(options)
     num_areas = num_areas_option(options, num_lanes)
     require_mtp_head(ckpt)
-    head = make_mtp_head(runner.decoder)  # type: ignore[arg-type]
+    head = make_mtp_head(runner.decoder)
     scales = ring_kv_scales(head, ckpt, options["kv_dtype"])
     contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options["kv_dtype"]), num_areas)
     runner.all_hidden = True
