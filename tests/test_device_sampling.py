@@ -182,10 +182,10 @@ def device_ops(monkeypatch: pytest.MonkeyPatch) -> list[DeviceStyleOps]:
 
 
 def make_engine(ckpt, **kw: Any) -> Engine:
-    opts: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16)
-    eng = Engine(ckpt, **{**opts, **kw})
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams
+    opts: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16,
+                                ngram_min=1)
+    return Engine(ckpt, **{**opts, **kw})
 
 
 def check_plan_choices(plans: list[RoundPlan], device_ids: set[int]) -> int:

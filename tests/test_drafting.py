@@ -25,10 +25,8 @@ from tf_async.gate import PROMPTS
 
 def build(ckpt, drafter: str, **kw):
     """Engine parts (no engine thread) with a drafter attached."""
-    extra = {k: kw.pop(k) for k in ("draft_areas", "draft_ring") if k in kw}
     base = dict(device="cpu", parallel=2, ctx=64, page_size=4, drafter=drafter)
-    opts = dict(Engine(ckpt, **{**base, **kw}).options, **extra)
-    return build_engine(opts, lambda events: None)
+    return build_engine(Engine(ckpt, **{**base, **kw}).options, lambda events: None)
 
 
 def open_stream(parts, request_id: int):

@@ -57,10 +57,9 @@ def sampling(mode: str, index: int, max_tokens: int = MAX_TOKENS) -> dict:
 
 
 def engine(ckpt, **kw) -> Engine:
-    eng = Engine(ckpt, **{**dict(device="cpu", parallel=4, ctx=128, page_size=4,
-                                 step_tokens=16), **kw})
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams: draft on 1
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams
+    return Engine(ckpt, **{**dict(device="cpu", parallel=4, ctx=128, page_size=4,
+                                  step_tokens=16, ngram_min=1), **kw})
 
 
 async def run_all(eng: Engine, mode: str, prompts=PROMPTS) -> list[list[int]]:
@@ -196,8 +195,8 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
 async def test_forced_drafts_roll_back_exactly_and_mtp_stays_in_sync(hybrids, plain, name, mode):
     ckpt, truth = hybrids[name], plain[name, mode]
     one_area = name.startswith("moe")  # one drafter area: the other lanes own their context
-    eng = engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4)
-    eng.options["draft_areas"] = 1 if one_area else None
+    eng = engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4,
+                 draft_areas=1 if one_area else None)
     async with eng:
         ids = {tuple(eng.tokenizer.encode(p)): out for p, out in zip(PROMPTS, truth, strict=True)}
         forced = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size, ids)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..backend.base import Ops, graph_ops
 from ..backend.select import make_ops
-from ..errors import BadInputError
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
 from ..models.graph_decoder import GraphDecoder
@@ -19,8 +17,9 @@ from .calibrate import kv_scales_for
 from .core import EngineCore
 from .drafters.registry import attach_drafter
 from .lanes import Lanes
+from .options import EngineOptions
 from .pages import Runs, pages_for_rows
-from .runner import KV_DTYPES, Arena, Runner
+from .runner import Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
 
@@ -41,26 +40,6 @@ class EngineParts:
     num_lanes: int
 
 
-def validate_options(o: dict[str, Any]) -> None:
-    def need(cond: bool, message: str, param: str) -> None:
-        if not cond:
-            raise BadInputError(message, param=param)
-
-    need(isinstance(o["parallel"], int) and 1 <= o["parallel"] <= 1024, "parallel must be in [1, 1024]", "parallel")
-    need(isinstance(o["ctx"], int) and 2 <= o["ctx"] <= 1 << 20, "ctx must be in [2, 1048576]", "ctx")
-    need(o["kv_dtype"] in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}", "kv_dtype")
-    need(isinstance(o["page_size"], int) and 1 <= o["page_size"] <= 1024, "page_size must be in [1, 1024]", "page_size")
-    need(isinstance(o["step_tokens"], int) and o["step_tokens"] >= 1, "step_tokens must be >= 1", "step_tokens")
-    need(isinstance(o["draft_tokens"], int) and 1 <= o["draft_tokens"] <= 16, "draft_tokens must be in [1, 16]", "draft_tokens")
-    steps = o.get("decode_steps", 1)
-    need(isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 64,
-         "decode_steps must be in [1, 64]", "decode_steps")
-    per_lane = pages_for_rows(o["ctx"], o["page_size"])
-    kv_pages = o["kv_pages"]
-    need(kv_pages is None or (isinstance(kv_pages, int) and kv_pages >= per_lane),
-         f"kv_pages must be at least ctx / page_size = {per_lane} so that one stream fits", "kv_pages")
-
-
 def load_model(model: str | Checkpoint | None) -> Checkpoint:
     if isinstance(model, Checkpoint):
         return model
@@ -70,26 +49,21 @@ def load_model(model: str | Checkpoint | None) -> Checkpoint:
     return load_checkpoint(model if model is not None else default_model_path())
 
 
-def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], None],
+def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], None],
                  ) -> EngineParts:
-    validate_options(options)
-    ckpt = load_model(options["model"])
-    ops = make_ops(options["device"])
-    num_lanes = options["parallel"]
+    ckpt = load_model(options.model)
+    ops = make_ops(options.device)
+    num_lanes = options.parallel
     decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
-    per_lane = pages_for_rows(options["ctx"], options["page_size"])
-    num_pages = options["kv_pages"] or per_lane * num_lanes
-    runs = Runs(paging=options["paging"], num_lanes=num_lanes, pages_per_lane=per_lane,
-                page_size=options["page_size"], num_pages=num_pages)
-    arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options["page_size"],
-                  kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
+    runs = _make_runs(options)
+    arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options.page_size,
+                  kv_dtype=options.kv_dtype, kv_scales=kv_scales_for(decoder, ckpt, options.kv_dtype))
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
-    scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
-                          recurrent=decoder.states is not None,
-                          decode_steps=options.get("decode_steps", 1))
-    runner = Runner(_maybe_graphs(decoder, options), arena)
+    scheduler = Scheduler(lanes, step_tokens=options.step_tokens, ctx=options.ctx,
+                          recurrent=decoder.states is not None, decode_steps=options.decode_steps)
+    runner = Runner(_maybe_graphs(decoder, options.cuda_graphs), arena)
     core = EngineCore(scheduler, runner, publish)
-    if options.get("drafter"):
+    if options.drafter:
         attach_drafter(options, ckpt, scheduler, runner, lanes)
     name = os.path.basename(str(ckpt.path).rstrip("/")) or ckpt.config.name
     eos = ckpt.config.eos_token_ids or tuple(ckpt.tokenizer.eos_token_ids)
@@ -97,10 +71,17 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
 
 
-def _maybe_graphs(decoder: DecoderProtocol, options: dict[str, Any]) -> DecoderProtocol:
+def _make_runs(options: EngineOptions) -> Runs:
+    per_lane = pages_for_rows(options.ctx, options.page_size)
+    num_pages = options.kv_pages or per_lane * options.parallel
+    return Runs(paging=options.paging, num_lanes=options.parallel, pages_per_lane=per_lane,
+                page_size=options.page_size, num_pages=num_pages)
+
+
+def _maybe_graphs(decoder: DecoderProtocol, cuda_graphs: bool) -> DecoderProtocol:
     """With `cuda_graphs` on ops that capture graphs, decode-shaped rounds of a dense model
     replay a captured CUDA graph (one launch instead of ~700); everything else runs eagerly."""
-    if not options.get("cuda_graphs") or graph_ops(decoder.ops) is None:
+    if not cuda_graphs or graph_ops(decoder.ops) is None:
         return decoder
     if not isinstance(decoder, Decoder):  # recurrent state (hybrids) is not captured
         return decoder

@@ -24,8 +24,6 @@ from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
 
-KV_DTYPES = ("f32", "bf16", "fp8")
-
 
 class Arena:
     """KV memory: kv [layers, 2, num_pages * page_size, nkv, hd] plus per-layer fp8 scales."""

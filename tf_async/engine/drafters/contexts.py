@@ -3,7 +3,6 @@ run (engine/area.py) or, when the arena's region is full, in owned buffers from 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,22 +100,3 @@ def make_contexts(runner: Runner, layout: AreaLayout, num_areas: int) -> DraftCo
     stride = -(-layout.num_bytes // 256) * 256
     region = runner.arena.add_drafter_region(alloc_region(runner.ops.xp, num_areas * stride))
     return DraftContexts(runner.ops.xp, layout, region, AreaPool(num_areas * stride))
-
-
-def ring_capacity_option(options: dict[str, Any]) -> int:
-    """Ring rows of a context: options["draft_ring"], default the context length."""
-    capacity = options.get("draft_ring") or options["ctx"]
-    if not isinstance(capacity, int) or capacity < 1:
-        raise BadInputError("draft_ring must be an integer >= 1", param="draft_ring")
-    return capacity
-
-
-def num_areas_option(options: dict[str, Any], num_lanes: int) -> int:
-    """Areas in the region: options["draft_areas"] or env TF_DRAFT_AREAS, default one a lane."""
-    value = options.get("draft_areas")
-    if value is None and os.environ.get("TF_DRAFT_AREAS"):
-        value = int(os.environ["TF_DRAFT_AREAS"])
-    value = num_lanes if value is None else value
-    if not isinstance(value, int) or value < 0:
-        raise BadInputError("draft_areas must be an integer >= 0", param="draft_areas")
-    return value

@@ -24,17 +24,12 @@ from ..area import AreaLayout
 from ..calibrate import kv_scales_for
 from ..drafting import count_accepted
 from .base import ContextDrafter
-from .contexts import (
-    DraftContext,
-    DraftContexts,
-    make_contexts,
-    num_areas_option,
-    ring_capacity_option,
-)
+from .contexts import DraftContext, DraftContexts, make_contexts
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
     from ..drafting import DrafterSpec
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sequence import SeqRows, Sequence
 
@@ -96,16 +91,15 @@ class ModelDrafter(ContextDrafter):
             ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
 
 # ---- construction -------------------------------------------------------------------------
-def make_model_drafter(spec: DrafterSpec, options: dict[str, Any], ckpt: Checkpoint,
+def make_model_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
                        runner: Runner, num_lanes: int) -> ModelDrafter:
     """`draft:PATH`: the draft model's decoder on the target's Ops, its ring in the run."""
-    capacity = ring_capacity_option(options)
-    num_areas = num_areas_option(options, num_lanes)
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
     assert spec.path is not None
-    draft, decoder, kv_scales = _load_draft(spec.path, ckpt, runner, options["kv_dtype"])
-    layout = AreaLayout.for_model(draft.config, capacity, options["kv_dtype"])
+    draft, decoder, kv_scales = _load_draft(spec.path, ckpt, runner, options.kv_dtype)
+    layout = AreaLayout.for_model(draft.config, capacity, options.kv_dtype)
     return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas),
-                        options["draft_tokens"])
+                        options.draft_tokens)
 
 
 def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202

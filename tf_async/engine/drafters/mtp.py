@@ -30,17 +30,12 @@ from ..area import AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
 from .base import ContextDrafter
-from .contexts import (
-    DraftContext,
-    DraftContexts,
-    make_contexts,
-    num_areas_option,
-    ring_capacity_option,
-)
+from .contexts import DraftContext, DraftContexts, make_contexts
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
     from ..drafting import DrafterSpec
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sequence import SeqRows, Sequence
 
@@ -173,18 +168,17 @@ def require_mtp_head(ckpt: Checkpoint) -> MtpWeights:
     return head
 
 
-def make_mtp_drafter(spec: DrafterSpec, options: dict[str, Any], ckpt: Checkpoint,
+def make_mtp_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
                      runner: Runner, num_lanes: int) -> MtpDrafter:
     """The MTP drafter on the runner's hybrid decoder; the runner then returns every row's
     hidden state (the ring is synced from them)."""
-    capacity = ring_capacity_option(options)
-    num_areas = num_areas_option(options, num_lanes)
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
     require_mtp_head(ckpt)
     head = make_mtp_head(runner.decoder)
-    scales = ring_kv_scales(head, ckpt, options["kv_dtype"])
-    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options["kv_dtype"]), num_areas)
+    scales = ring_kv_scales(head, ckpt, options.kv_dtype)
+    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options.kv_dtype), num_areas)
     runner.all_hidden = True
-    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options["draft_tokens"])
+    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options.draft_tokens)
 
 
 def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray:

@@ -12,13 +12,14 @@ from ..drafting import count_accepted, zero_stats
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
     from ..drafting import DrafterSpec
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sequence import SeqRows, Sequence
 
 
-def make_ngram_drafter(spec: DrafterSpec, options: dict[str, Any], ckpt: Checkpoint,
+def make_ngram_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
                        runner: Runner, num_lanes: int) -> NgramDrafter:
-    return NgramDrafter(options["draft_tokens"], min_ngram=int(options.get("ngram_min", 2)))
+    return NgramDrafter(options.draft_tokens, min_ngram=options.ngram_min)
 
 
 class NgramDrafter:

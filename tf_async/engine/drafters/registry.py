@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import BadInputError
 from ..drafting import Drafter, DrafterSpec
@@ -16,11 +16,12 @@ from .ngram import make_ngram_drafter
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
     from ..lanes import Lanes
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sched import Scheduler
 
 # (spec, options, target checkpoint, runner, number of lanes) -> the drafter
-MakeDrafter = Callable[[DrafterSpec, dict[str, Any], "Checkpoint", "Runner", int], Drafter]
+MakeDrafter = Callable[[DrafterSpec, "EngineOptions", "Checkpoint", "Runner", int], Drafter]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +52,12 @@ def parse_drafter(spec: str) -> DrafterSpec:
     raise BadInputError(f"unknown drafter {spec!r}: expected one of {expected}", param="drafter")
 
 
-def attach_drafter(options: dict[str, Any], ckpt: Checkpoint, scheduler: Scheduler,
+def attach_drafter(options: EngineOptions, ckpt: Checkpoint, scheduler: Scheduler,
                    runner: Runner, lanes: Lanes) -> Drafter:
-    """Build the drafter of options["drafter"] (ring drafters take their arena region) and
+    """Build the drafter of options.drafter (ring drafters take their arena region) and
     hook its release into the lane's one release path."""
-    spec = parse_drafter(options["drafter"])
+    assert options.drafter is not None
+    spec = parse_drafter(options.drafter)
     drafter = KINDS[spec.kind].make(spec, options, ckpt, runner, lanes.num_lanes)
     scheduler.drafter = drafter
     lanes.add_release_hook(drafter.release)
