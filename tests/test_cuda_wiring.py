@@ -126,3 +126,20 @@ def test_every_kernel_waits_for_the_kernels_before_it() -> None:
                 if ast.unparse(target) == "cuda.jit" and not device:
                     bare.append(f"{path.name}:{node.name}")
     assert not bare, f"kernels made with cuda.jit instead of env.kernel: {bare}"
+
+
+def test_both_backends_share_one_set_of_argument_checks() -> None:
+    from tf_async.backend import checks, cuda_ops
+    from tf_async.backend.cpu import ops as cpu_ops
+
+    for name in ("check_array", "check_shape", "check_affine", "check_kv", "check_kv_dtype",
+                 "kv_shape", "num_pages_of"):
+        assert getattr(cuda_ops, name) is getattr(checks, name) is getattr(cpu_ops, name)
+    with pytest.raises(BadInputError, match="kv_write k: expected dtype float32"):
+        CpuOps().kv_write(np.zeros((1, 2, 4, 1, 2), np.float32), 0, np.zeros((1, 1, 2)),
+                          np.zeros((1, 1, 2), np.float32), np.zeros(1, np.int64), None)
+    q4 = AffineWeight(np.zeros((2, 1), np.uint32), np.ones((2, 2), np.float32),
+                      np.zeros((2, 2), np.float32), 4, 4)  # groups of 4 codes: half a word
+    checks.check_affine(q4)  # the CPU multiplies any whole groups
+    with pytest.raises(BadInputError, match="in 4-bit words"):
+        checks.check_affine(q4, whole_words=True)  # the GPU needs whole code words

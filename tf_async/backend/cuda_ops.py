@@ -24,31 +24,16 @@ import numpy as np
 
 from ..errors import BadInputError
 from .base import Capabilities
+from .checks import (
+    check_affine,
+    check_array,
+    check_kv,
+    check_kv_dtype,
+    check_shape,
+    kv_shape,
+    num_pages_of,
+)
 from .weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
-
-KV_DTYPES: dict[str, Any] = {
-    "f32": np.float32, "float32": np.float32,
-    "bf16": np.uint16, "bfloat16": np.uint16,
-    "fp8": np.uint8, "fp8_e4m3": np.uint8, "e4m3": np.uint8,
-}
-
-
-def check_array(array: Any, name: str, dtype: Any, ndim: int | None = None, *, xp: Any) -> Any:
-    """`array` must be a C-contiguous array of module `xp` (of `dtype`, rank `ndim`)."""
-    if not isinstance(array, xp.ndarray):
-        raise BadInputError(f"{name}: expected a {xp.__name__} array, got {type(array).__name__}")
-    if dtype is not None and array.dtype != dtype:
-        raise BadInputError(f"{name}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
-    if ndim is not None and array.ndim != ndim:
-        raise BadInputError(f"{name}: expected {ndim} dims, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise BadInputError(f"{name}: must be C-contiguous")
-    return array
-
-
-def check_shape(array: Any, name: str, shape: tuple[int, ...]) -> None:
-    if tuple(array.shape) != tuple(shape):
-        raise BadInputError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
 
 
 def check_range(values: Any, name: str, low: int, high: int) -> None:
@@ -57,29 +42,6 @@ def check_range(values: Any, name: str, low: int, high: int) -> None:
         lo, hi = int(values.min()), int(values.max())
         if lo < low or hi >= high:
             raise BadInputError(f"{name}: values must lie in [{low}, {high}), got [{lo}, {hi}]")
-
-
-def check_affine(w: AffineWeight, xp: Any) -> None:
-    if w.bits not in (4, 8):
-        raise BadInputError(f"AffineWeight: bits must be 4 or 8, got {w.bits}")
-    check_array(w.codes, "AffineWeight.codes", np.uint32, xp=xp)
-    per_word = 32 // w.bits
-    groups = w.in_features // w.group_size if w.group_size > 0 else -1
-    if groups <= 0 or groups * w.group_size != w.in_features or w.group_size % per_word:
-        raise BadInputError(f"AffineWeight: group_size {w.group_size} does not fit in_features "
-                            f"{w.in_features} and {w.bits}-bit words")
-    for name, array in (("scales", w.scales), ("biases", w.biases)):
-        check_array(array, f"AffineWeight.{name}", np.float32, w.codes.ndim, xp=xp)
-        check_shape(array, f"AffineWeight.{name}", (*w.codes.shape[:-1], groups))
-
-
-def check_kv(kv: Any, layer: int, xp: Any) -> None:
-    check_array(kv, "kv", None, 5, xp=xp)
-    if kv.dtype not in (np.float32, np.uint16, np.uint8) or kv.shape[1] != 2:
-        raise BadInputError("kv: expected [layers, 2, slots, kv_heads, head_dim] of float32, "
-                            f"uint16 (bf16) or uint8 (fp8), got {kv.dtype} {kv.shape}")
-    if not 0 <= layer < kv.shape[0]:
-        raise BadInputError(f"layer {layer} out of range [0, {kv.shape[0]})")
 
 
 def layer_scales(kv_scales: Any, kv: Any, layer: int) -> tuple[np.float32, np.float32]:
@@ -212,7 +174,7 @@ class CudaOps:
         are kept, not copied). DenseWeight.w may be float32 or uint16 (bf16 bits)."""
         xp = self.xp
         if isinstance(w, AffineWeight):
-            check_affine(w, _module_of(w.codes))
+            check_affine(w, xp=_module_of(w.codes), whole_words=True)
             return AffineWeight(xp.asarray(w.codes), xp.asarray(w.scales), xp.asarray(w.biases),
                                 w.bits, w.group_size)
         if isinstance(w, DenseWeight):
@@ -370,7 +332,7 @@ class CudaOps:
         k normed (k_norm), roped and v, both stored at `slots` of `layer`. The bits of rms_norm,
         rope and kv_write one after another."""
         xp = self.xp
-        check_kv(kv, layer, xp)
+        check_kv(kv, layer, xp=xp)
         nkv, hd = kv.shape[3], kv.shape[4]
         check_array(qkv, "attn_inputs qkv", np.float32, 2, xp=xp)
         check_shape(qkv, "attn_inputs qkv", (slots.shape[0], (num_heads + 2 * nkv) * hd))
@@ -399,7 +361,7 @@ class CudaOps:
 
     def _weight_parts(self, w: Linear) -> tuple[str, Any, Any, Any, int]:
         if isinstance(w, AffineWeight):
-            check_affine(w, self.xp)
+            check_affine(w, xp=self.xp, whole_words=True)
             return ("q4" if w.bits == 4 else "q8"), w.codes, w.scales, w.biases, w.group_size
         if isinstance(w, DenseWeight):
             check_array(w.w, "DenseWeight.w", None, xp=self.xp)
@@ -423,7 +385,7 @@ class CudaOps:
             return self.xp.ascontiguousarray(table[ids])
         if not isinstance(w, AffineWeight):
             raise BadInputError(f"embed: unknown weight kind {type(w).__name__}")
-        check_affine(w, self.xp)
+        check_affine(w, xp=self.xp, whole_words=True)
         out = self.xp.empty((ids.shape[0], w.in_features), self.xp.float32)
         if not ids.shape[0]:
             return out
@@ -475,16 +437,12 @@ class CudaOps:
     def alloc_kv(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str) -> Any:
         """Zeroed arena [num_layers, 2, num_slots, num_kv_heads, head_dim] of the KV dtype."""
-        if kv_dtype not in KV_DTYPES:
-            raise BadInputError(f"kv_dtype {kv_dtype!r}: expected one of f32, bf16, fp8")
-        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
-        if min(shape) < 1:
-            raise BadInputError(f"alloc_kv: every dimension must be >= 1, got {shape}")
-        return self.xp.zeros(shape, KV_DTYPES[kv_dtype])
+        dtype = check_kv_dtype(kv_dtype)
+        return self.xp.zeros(kv_shape(num_layers, num_slots, num_kv_heads, head_dim), dtype)
 
     def kv_write(self, kv: Any, layer: int, k: Any, v: Any, slots: Any, kv_scales: Any | None) -> None:
         """Store k, v [rows, nkv, hd] float32 at `slots` [rows] int64 of `layer`."""
-        check_kv(kv, layer, self.xp)
+        check_kv(kv, layer, xp=self.xp)
         check_array(k, "kv_write k", np.float32, 3, xp=self.xp)
         check_array(v, "kv_write v", np.float32, 3, xp=self.xp)
         check_array(slots, "kv_write slots", np.int64, 1, xp=self.xp)
@@ -516,7 +474,7 @@ class CudaOps:
                   out_int8: Int8Rows | None = None) -> Any:
         """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd];
         out_int8 (attention_for): the rows as int8 x too."""
-        check_kv(kv, layer, self.xp)
+        check_kv(kv, layer, xp=self.xp)
         check_array(q, "attention q", np.float32, 3, xp=self.xp)
         if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0 or q.shape[2] > 256:
             raise BadInputError(f"attention: q shape {q.shape} does not fit kv heads/dim {kv.shape[3:]} "
@@ -540,9 +498,9 @@ class CudaOps:
 
     def zero_pages(self, kv: Any, page_ids: Any, page_size: int) -> None:
         """Zero the K and V slots of `page_ids` [n] int32 in every layer."""
-        check_kv(kv, 0, self.xp)
+        check_kv(kv, 0, xp=self.xp)
         check_array(page_ids, "zero_pages page_ids", np.int32, 1, xp=self.xp)
-        self._range(page_ids, "zero_pages page_ids", 0, _num_pages(kv, page_size))
+        self._range(page_ids, "zero_pages page_ids", 0, num_pages_of(kv, page_size))
         if page_ids.shape[0]:
             flat = kv.reshape(kv.shape[0] * 2, kv.shape[2], kv.shape[3] * kv.shape[4])
             self._launch.zero_pages(self._dev(flat), self._dev(page_ids), int(page_size), self._stream())
@@ -555,7 +513,7 @@ class CudaOps:
         check_array(row_pos, "attention row_pos", np.int64, 1, xp=xp)
         check_shape(row_seq, "attention row_seq", (rows,))
         check_shape(row_pos, "attention row_pos", (rows,))
-        num_pages = _num_pages(kv, page_size)
+        num_pages = num_pages_of(kv, page_size)
         if rows == 0 or not self.device_checks:
             return
         self._range(row_seq, "attention row_seq", 0, block_table.shape[0])
@@ -734,9 +692,3 @@ def _rows_of(w: Linear, start: int, stop: int) -> Linear:
         return AffineWeight(w.codes[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
     assert isinstance(w, DenseWeight)
     return DenseWeight(w.w[start:stop])
-
-
-def _num_pages(kv: Any, page_size: int) -> int:
-    if page_size < 1 or kv.shape[2] % page_size != 0:
-        raise BadInputError(f"page_size {page_size} does not divide num_slots {kv.shape[2]}")
-    return kv.shape[2] // page_size

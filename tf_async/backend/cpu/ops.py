@@ -1,8 +1,9 @@
 """CpuOps: the Ops of docs/KERNELS.md on NumPy arrays, backed by the Numba kernels.
 
 Each method checks dtype, shape and contiguity (and the index values that a kernel would
-use as addresses) before calling a kernel, so that a bad call raises a clear ValueError
-instead of reading or writing out of bounds inside compiled code.
+use as addresses, backend/checks.py shared with CudaOps) before calling a kernel, so that a
+bad call raises a clear BadInputError (a ValueError) instead of reading or writing out of
+bounds inside compiled code.
 """
 
 from __future__ import annotations
@@ -12,80 +13,42 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import BadInputError
 from ..base import Capabilities
+from ..checks import (
+    check_affine,
+    check_array,
+    check_kv,
+    check_kv_dtype,
+    check_shape,
+    kv_shape,
+    num_pages_of,
+)
 from ..weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
 from . import gdn, kernels
-
-KV_DTYPES: dict[str, Any] = {
-    "f32": np.float32, "float32": np.float32,
-    "bf16": np.uint16, "bfloat16": np.uint16,
-    "fp8": np.uint8, "fp8_e4m3": np.uint8, "e4m3": np.uint8,
-}
-
-
-def _check(array: Any, name: str, dtype: Any, ndim: int | None = None) -> np.ndarray:
-    """`array` must be a C-contiguous NumPy array of `dtype` (and rank `ndim`)."""
-    if not isinstance(array, np.ndarray):
-        raise ValueError(f"{name}: expected a numpy array, got {type(array).__name__}")
-    if array.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
-    if ndim is not None and array.ndim != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name}: must be C-contiguous (use np.ascontiguousarray)")
-    return array
-
-
-def _check_shape(array: np.ndarray, name: str, shape: tuple[int, ...]) -> None:
-    if array.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {array.shape}")
 
 
 def _check_range(values: np.ndarray, name: str, low: int, high: int) -> None:
     """Every value of the 1-D index array in [low, high)."""
     if kernels.any_out_of_range(values, low, high):
-        raise ValueError(f"{name}: values must lie in [{low}, {high}), got "
+        raise BadInputError(f"{name}: values must lie in [{low}, {high}), got "
                          f"[{int(values.min())}, {int(values.max())}]")
-
-
-def _check_affine(w: AffineWeight) -> None:
-    if w.bits not in (4, 8):
-        raise ValueError(f"AffineWeight: bits must be 4 or 8, got {w.bits}")
-    _check(w.codes, "AffineWeight.codes", np.uint32, 2)
-    groups = w.in_features // w.group_size if w.group_size > 0 else -1
-    if groups <= 0 or groups * w.group_size != w.in_features:
-        raise ValueError(f"AffineWeight: group_size {w.group_size} does not divide "
-                         f"in_features {w.in_features}")
-    for name, array in (("scales", w.scales), ("biases", w.biases)):
-        _check(array, f"AffineWeight.{name}", np.float32, 2)
-        _check_shape(array, f"AffineWeight.{name}", (w.out_features, groups))
 
 
 def _check_weight(w: Any) -> None:
     if isinstance(w, AffineWeight):
-        _check_affine(w)
+        check_affine(w, ndim=2)
     elif isinstance(w, DenseWeight):
-        _check(w.w, "DenseWeight.w", np.float32, 2)
+        check_array(w.w, "DenseWeight.w", np.float32, 2)
     else:
-        raise ValueError(f"unknown weight kind {type(w).__name__} (expected a 2-D Linear)")
-
-
-def _check_kv(kv: Any, layer: int) -> np.ndarray:
-    if not isinstance(kv, np.ndarray) or kv.dtype not in (np.float32, np.uint16, np.uint8):
-        raise ValueError("kv: expected a numpy array of float32, uint16 (bf16) or uint8 (fp8)")
-    _check(kv, "kv", kv.dtype, 5)
-    if kv.shape[1] != 2:
-        raise ValueError(f"kv: expected [layers, 2, slots, kv_heads, head_dim], got {kv.shape}")
-    if not 0 <= layer < kv.shape[0]:
-        raise ValueError(f"layer {layer} out of range [0, {kv.shape[0]})")
-    return kv
+        raise BadInputError(f"unknown weight kind {type(w).__name__} (expected a 2-D Linear)")
 
 
 def _layer_scales(kv_scales: Any, kv: np.ndarray, layer: int) -> tuple[float, float]:
     if kv_scales is None:
         return 1.0, 1.0
-    _check(kv_scales, "kv_scales", np.float32, 2)
-    _check_shape(kv_scales, "kv_scales", (kv.shape[0], 2))
+    check_array(kv_scales, "kv_scales", np.float32, 2)
+    check_shape(kv_scales, "kv_scales", (kv.shape[0], 2))
     return float(kv_scales[layer, 0]), float(kv_scales[layer, 1])
 
 
@@ -138,9 +101,9 @@ class CpuOps:
             return self._add_bias(out, bias, w.out_features)
         if self._checked.get(id(w)) is not w:
             _check_weight(w)
-        _check(x, "linear x", np.float32)
+        check_array(x, "linear x", np.float32)
         if x.ndim == 0 or x.shape[-1] != w.in_features:
-            raise ValueError(f"linear: x has shape {x.shape}, weight expects in_features "
+            raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features "
                              f"{w.in_features}")
         rows = x.reshape(-1, w.in_features)
         out = np.empty((rows.shape[0], w.out_features), np.float32)
@@ -158,8 +121,8 @@ class CpuOps:
     @staticmethod
     def _add_bias(out: np.ndarray, bias: np.ndarray | None, out_features: int) -> np.ndarray:
         if bias is not None:
-            _check(bias, "linear bias", np.float32, 1)
-            _check_shape(bias, "linear bias", (out_features,))
+            check_array(bias, "linear bias", np.float32, 1)
+            check_shape(bias, "linear bias", (out_features,))
             out += bias
         return out
 
@@ -167,7 +130,7 @@ class CpuOps:
         """Rows `ids` [rows] int64 of the table w [V, H] -> [rows, H] float32."""
         if self._checked.get(id(w)) is not w:
             _check_weight(w)
-        _check(ids, "embed ids", np.int64, 1)
+        check_array(ids, "embed ids", np.int64, 1)
         _check_range(ids, "embed ids", 0, w.out_features)
         out = np.empty((ids.shape[0], w.in_features), np.float32)
         if isinstance(w, AffineWeight):
@@ -179,10 +142,10 @@ class CpuOps:
     # ------------------------------------------------------------------ row-wise ops
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """RMS-normalise the last axis of x (any leading dims) and scale by w [dim]."""
-        _check(x, "rms_norm x", np.float32)
-        _check(w, "rms_norm weight", np.float32, 1)
+        check_array(x, "rms_norm x", np.float32)
+        check_array(w, "rms_norm weight", np.float32, 1)
         if x.ndim == 0 or x.shape[-1] != w.shape[0]:
-            raise ValueError(f"rms_norm: x shape {x.shape} does not end in weight dim {w.shape[0]}")
+            raise BadInputError(f"rms_norm: x shape {x.shape} does not end in weight dim {w.shape[0]}")
         out = np.empty_like(x)
         rows = x.reshape(-1, w.shape[0])
         kernels.rms_norm(rows, w, float(eps), out.reshape(rows.shape))
@@ -191,19 +154,19 @@ class CpuOps:
     def rope(self, x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
              mscale: float) -> None:
         """RoPE in place. x [rows, heads, hd], positions [rows] int64, inv_freq [rot/2]."""
-        _check(x, "rope x", np.float32, 3)
-        _check(positions, "rope positions", np.int64, 1)
-        _check(inv_freq, "rope inv_freq", np.float32, 1)
-        _check_shape(positions, "rope positions", (x.shape[0],))
+        check_array(x, "rope x", np.float32, 3)
+        check_array(positions, "rope positions", np.int64, 1)
+        check_array(inv_freq, "rope inv_freq", np.float32, 1)
+        check_shape(positions, "rope positions", (x.shape[0],))
         if 2 * inv_freq.shape[0] > x.shape[2]:
-            raise ValueError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {x.shape[2]}")
+            raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {x.shape[2]}")
         kernels.rope(x, positions, inv_freq, float(mscale))
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """silu(gate) * up, both [..., I]."""
-        _check(gate, "silu_mul gate", np.float32)
-        _check(up, "silu_mul up", np.float32)
-        _check_shape(up, "silu_mul up", gate.shape)
+        check_array(gate, "silu_mul gate", np.float32)
+        check_array(up, "silu_mul up", np.float32)
+        check_shape(up, "silu_mul up", gate.shape)
         out = np.empty_like(gate)
         width = gate.shape[-1] if gate.ndim else 1
         kernels.silu_mul(gate.reshape(-1, width), up.reshape(-1, width), out.reshape(-1, width))
@@ -214,22 +177,18 @@ class CpuOps:
                  kv_dtype: str) -> np.ndarray:
         """Zeroed arena [num_layers, 2, num_slots, num_kv_heads, head_dim] of the KV dtype
         (f32 -> float32, bf16 -> uint16 bits, fp8 -> uint8 E4M3FN)."""
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype {kv_dtype!r}: expected one of f32, bf16, fp8")
-        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
-        if min(shape) < 1:
-            raise ValueError(f"alloc_kv: every dimension must be >= 1, got {shape}")
-        return np.zeros(shape, KV_DTYPES[kv_dtype])
+        dtype = check_kv_dtype(kv_dtype)
+        return np.zeros(kv_shape(num_layers, num_slots, num_kv_heads, head_dim), dtype)
 
     def kv_write(self, kv: np.ndarray, layer: int, k: np.ndarray, v: np.ndarray,
                  slots: np.ndarray, kv_scales: np.ndarray | None) -> None:
         """Store k, v [rows, nkv, hd] float32 at `slots` [rows] int64 of `layer`."""
-        _check_kv(kv, layer)
-        _check(k, "kv_write k", np.float32, 3)
-        _check(v, "kv_write v", np.float32, 3)
-        _check(slots, "kv_write slots", np.int64, 1)
-        _check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
-        _check_shape(v, "kv_write v", k.shape)
+        check_kv(kv, layer)
+        check_array(k, "kv_write k", np.float32, 3)
+        check_array(v, "kv_write v", np.float32, 3)
+        check_array(slots, "kv_write slots", np.int64, 1)
+        check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
+        check_shape(v, "kv_write v", k.shape)
         _check_range(slots, "kv_write slots", 0, kv.shape[2])
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
         kernels.kv_write(k, v, kv[layer], slots, k_scale, v_scale)
@@ -238,10 +197,10 @@ class CpuOps:
                   block_table: np.ndarray, row_seq: np.ndarray, row_pos: np.ndarray,
                   page_size: int, sm_scale: float) -> np.ndarray:
         """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd]."""
-        _check_kv(kv, layer)
-        _check(q, "attention q", np.float32, 3)
+        check_kv(kv, layer)
+        check_array(q, "attention q", np.float32, 3)
         if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0:
-            raise ValueError(f"attention: q shape {q.shape} does not fit kv heads/dim "
+            raise BadInputError(f"attention: q shape {q.shape} does not fit kv heads/dim "
                              f"{kv.shape[3:]}")
         self._check_pages(kv, block_table, row_seq, row_pos, q.shape[0], page_size)
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
@@ -252,29 +211,23 @@ class CpuOps:
 
     def zero_pages(self, kv: np.ndarray, page_ids: np.ndarray, page_size: int) -> None:
         """Zero the K and V slots of `page_ids` [n] int32 in every layer."""
-        _check_kv(kv, 0)
-        _check(page_ids, "zero_pages page_ids", np.int32, 1)
-        num_pages = self._num_pages(kv, page_size)
+        check_kv(kv, 0)
+        check_array(page_ids, "zero_pages page_ids", np.int32, 1)
+        num_pages = num_pages_of(kv, page_size)
         _check_range(page_ids, "zero_pages page_ids", 0, num_pages)
         kernels.zero_pages(kv, page_ids, page_size)
 
-    @staticmethod
-    def _num_pages(kv: np.ndarray, page_size: int) -> int:
-        if page_size < 1 or kv.shape[2] % page_size != 0:
-            raise ValueError(f"page_size {page_size} does not divide num_slots {kv.shape[2]}")
-        return kv.shape[2] // page_size
-
     def _check_pages(self, kv: np.ndarray, block_table: np.ndarray, row_seq: np.ndarray,
                      row_pos: np.ndarray, rows: int, page_size: int) -> None:
-        _check(block_table, "attention block_table", np.int32, 2)
-        _check(row_seq, "attention row_seq", np.int32, 1)
-        _check(row_pos, "attention row_pos", np.int64, 1)
-        _check_shape(row_seq, "attention row_seq", (rows,))
-        _check_shape(row_pos, "attention row_pos", (rows,))
-        num_pages = self._num_pages(kv, page_size)
+        check_array(block_table, "attention block_table", np.int32, 2)
+        check_array(row_seq, "attention row_seq", np.int32, 1)
+        check_array(row_pos, "attention row_pos", np.int64, 1)
+        check_shape(row_seq, "attention row_seq", (rows,))
+        check_shape(row_pos, "attention row_pos", (rows,))
+        num_pages = num_pages_of(kv, page_size)
         bad_row = kernels.first_bad_page_row(block_table, row_seq, row_pos, page_size, num_pages)
         if bad_row >= 0:
-            raise ValueError(
+            raise BadInputError(
                 f"attention: row {bad_row} (stream {int(row_seq[bad_row])}, position "
                 f"{int(row_pos[bad_row])}) needs a block_table entry outside [0, {num_pages}) "
                 f"or a stream outside block_table {block_table.shape}")
@@ -285,11 +238,11 @@ class CpuOps:
         """Top-k mixture of SwiGLU experts. x [rows, H]; gate/up/down stacked [E, ...].
         Each expert's rows go through the same matmul kernels; a row's expert outputs are
         summed in slot order j = 0..k-1, so the sum never depends on other rows."""
-        _check(x, "moe x", np.float32, 2)
+        check_array(x, "moe x", np.float32, 2)
         logits = self.linear(x, router)
         num_experts = logits.shape[1]
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"moe: top_k {top_k} not in [1, {num_experts}]")
+            raise BadInputError(f"moe: top_k {top_k} not in [1, {num_experts}]")
         ids = np.empty((x.shape[0], top_k), np.int32)
         weights = np.empty((x.shape[0], top_k), np.float32)
         kernels.moe_route(logits, top_k, bool(norm_topk_prob), ids, weights)
@@ -319,11 +272,11 @@ class CpuOps:
                     eps: float, positions: np.ndarray, inv_freq: np.ndarray, mscale: float,
                     kv: np.ndarray, layer: int, slots: np.ndarray, kv_scales: np.ndarray | None,
                     num_heads: int) -> np.ndarray:
-        _check_kv(kv, layer)
+        check_kv(kv, layer)
         nkv, hd = kv.shape[3], kv.shape[4]
         rows, q_width, k_width = qkv.shape[0], num_heads * hd, nkv * hd
-        _check(qkv, "attn_inputs qkv", np.float32, 2)
-        _check_shape(qkv, "attn_inputs qkv", (rows, q_width + 2 * k_width))
+        check_array(qkv, "attn_inputs qkv", np.float32, 2)
+        check_shape(qkv, "attn_inputs qkv", (rows, q_width + 2 * k_width))
         q, k, v = (np.ascontiguousarray(qkv[:, lo:hi]).reshape(rows, -1, hd) for lo, hi in
                    ((0, q_width), (q_width, q_width + k_width), (q_width + k_width, qkv.shape[1])))
         if q_norm is not None:
@@ -348,7 +301,7 @@ class CpuOps:
 
     def swiglu_linear(self, x: np.ndarray, gate_up: FusedLinear) -> np.ndarray:
         if not isinstance(gate_up, LinearParts) or len(gate_up.parts) != 2:
-            raise ValueError("swiglu_linear: expected concat_linears([gate, up])")
+            raise BadInputError("swiglu_linear: expected concat_linears([gate, up])")
         gate, up = gate_up.parts
         return self.silu_mul(self.linear(x, gate), self.linear(x, up))
 
