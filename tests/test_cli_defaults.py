@@ -27,7 +27,7 @@ def test_serve_passes_the_option_to_the_engine() -> None:
     assert Engine().options.cuda_graphs is True
 
 
-def test_cpu_decoder_is_never_wrapped(tiny_llama) -> None:  # noqa: ANN001
+def test_cpu_decoder_is_never_wrapped(tiny_llama) -> None:
     from tf_async.backend.cpu.ops import CpuOps
 
     decoder = Decoder(tiny_llama, CpuOps())

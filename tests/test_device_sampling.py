@@ -72,7 +72,7 @@ class DeviceStyleOps:
         self.launches.append(("argmax", logits.shape[0]))
         return np.argmax(logits, axis=1).astype(np.int64)
 
-    def sample(self, logits, temps, top_ks, top_ps, seeds, positions) -> np.ndarray:  # noqa: ANN001
+    def sample(self, logits, temps, top_ks, top_ps, seeds, positions) -> np.ndarray:
         rows = logits.shape[0]
         assert logits.dtype == np.float32 and logits.ndim == 2 and logits.flags.c_contiguous
         for arr, dtype in ((temps, np.float32), (top_ks, np.int32), (top_ps, np.float32),
@@ -429,7 +429,7 @@ async def test_cuda_engine_chooses_tokens_on_the_device(tiny_llama) -> None:
         copies: list[tuple[int, ...]] = []
         to_host = ops.to_host
 
-        def spy(array):  # noqa: ANN001, ANN202
+        def spy(array):
             copies.append(tuple(array.shape))
             return to_host(array)
 

@@ -48,7 +48,7 @@ def record_draft_sizes(eng: Engine) -> list[int]:
     sched = eng.parts.scheduler
     build_rows = sched._decode_rows
 
-    def decode_rows(seq, pages_to_zero):  # noqa: ANN001, ANN202
+    def decode_rows(seq, pages_to_zero):
         rows = build_rows(seq, pages_to_zero)
         sizes.append(len(rows.draft_ids) if rows is not None else 0)
         return rows

@@ -36,7 +36,7 @@ def test_options_are_frozen_and_carry_the_drafter_settings() -> None:
         options.ngram_min = 2  # type: ignore[misc]
 
 
-def test_draft_areas_defaults_to_the_environment_only_through_the_api(monkeypatch) -> None:  # noqa: ANN001
+def test_draft_areas_defaults_to_the_environment_only_through_the_api(monkeypatch) -> None:
     monkeypatch.setenv("TF_DRAFT_AREAS", "3")
     assert Engine().options.draft_areas == 3
     assert Engine(draft_areas=0).options.draft_areas == 0

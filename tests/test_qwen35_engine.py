@@ -134,7 +134,7 @@ class ForcedDrafts:
         self.proposals: list[tuple[list[int], object, int, tuple[int, ...]]] = []
         self._wrong = itertools.cycle(self.WRONG_AT)
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the Drafter interface
+    def __getattr__(self, name: str):  # the rest of the Drafter interface
         return getattr(self.inner, name)
 
     def propose(self, seq, limit: int) -> tuple[int, ...]:
@@ -159,7 +159,7 @@ class ForcedDrafts:
             assert drafts == fresh_mtp_drafts(self.inner.head, tokens, seq, count), tokens
 
 
-def replace_seq(seq):  # noqa: ANN001, ANN201 - a frozen copy of what sampling reads
+def replace_seq(seq):  # a frozen copy of what sampling reads
     return replace(seq, output_ids=list(seq.output_ids))
 
 
@@ -254,13 +254,13 @@ async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybri
         real_forward, real_lost = runner.decoder.forward, runner._lost_states
         rounds, seen = itertools.count(), []
 
-        def forward(batch, kv, scales, **kw):  # noqa: ANN001, ANN202
+        def forward(batch, kv, scales, **kw):
             out = real_forward(batch, kv, scales, **kw)
             if len(batch.token_ids) > 1 and next(rounds) == 12:
                 raise RuntimeError("injected failure after the state advanced")
             return out
 
-        def lost_states(plan, saved):  # noqa: ANN001, ANN202
+        def lost_states(plan, saved):
             lost = real_lost(plan, saved)
             seen.append((saved, lost))
             return lost

@@ -34,14 +34,14 @@ class CheckTrackingOps:
         return getattr(self._inner, name)
 
     @contextmanager
-    def unchecked(self):  # noqa: ANN201
+    def unchecked(self):
         before, self.device_checks = self.device_checks, False
         try:
             yield
         finally:
             self.device_checks = before
 
-    def embed(self, w, ids):  # noqa: ANN001, ANN201
+    def embed(self, w, ids):
         self.embeds_checked.append(self.device_checks)
         return self._inner.embed(w, ids)
 
@@ -51,7 +51,7 @@ def tracking_ops(monkeypatch: pytest.MonkeyPatch) -> list[CheckTrackingOps]:
     return engines_on_ops(monkeypatch, CheckTrackingOps)
 
 
-async def generate(ckpt, prompt: list[int]) -> list[int]:  # noqa: ANN001
+async def generate(ckpt, prompt: list[int]) -> list[int]:
     async with Engine(ckpt, device="cpu", parallel=2, ctx=128, page_size=4, step_tokens=5) as eng:
         out = await eng.complete(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
         return list(out.token_ids)
@@ -75,7 +75,7 @@ async def test_a_bad_batch_is_refused_on_the_host_before_the_forward(tiny_llama,
         check_refusals(eng.parts.runner, tracking_ops[0])
 
 
-def check_refusals(runner, ops: CheckTrackingOps) -> None:  # noqa: ANN001
+def check_refusals(runner, ops: CheckTrackingOps) -> None:
     vocab = runner.decoder.weights.embed.out_features
     table = np.array([[0, 1]], np.int32)
     good = dict(token_ids=[1, 2], positions=[0, 1], row_seq=[0, 0], block_table=table,

@@ -8,7 +8,7 @@ import math
 import os
 import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api_types import Completion, Delta, SamplingParams, Usage
 from .engine.build import EngineParts, build_engine
@@ -18,6 +18,9 @@ from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
 from .errors import BadInputError, QueueFullError, RequestFailedError
 from .models.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from .models.tokenizer import Tokenizer  # a heavier module: loaded with a model
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -167,7 +170,7 @@ class Engine:
         await self.close()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - tf_async.models.tokenizer.Tokenizer
+    def tokenizer(self) -> Tokenizer:
         return self._parts.checkpoint.tokenizer
 
     @property

@@ -523,51 +523,6 @@ class CudaOps:
         if bool(xp.any(used & ((entries < 0) | (entries >= num_pages)))):
             raise BadInputError(f"attention: a row needs a block_table entry outside [0, {num_pages})")
 
-    # ------------------------------------------------------------------ drafter rings
-    def ring_write(self, src: Any, ring: Any, ring_ids: Any, positions: Any) -> None:
-        """ring[ring_ids[r], positions[r] % capacity] = src[r]; src [rows, width]."""
-        check_array(src, "ring_write src", None, 2, xp=self.xp)
-        check_array(ring, "ring", src.dtype, 3, xp=self.xp)
-        self._check_ring_rows(ring, ring_ids, positions, src.shape[0], src.shape[1])
-        if src.shape[0]:
-            parts = [self._dev(a) for a in (src, ring, ring_ids, positions)]
-            self._launch.ring_write(*parts, self._stream())
-
-    def ring_read(self, ring: Any, ring_ids: Any, positions: Any) -> Any:
-        """Rows ring[ring_ids[r], positions[r] % capacity] -> [rows, width]."""
-        check_array(ring, "ring", None, 3, xp=self.xp)
-        out = self.xp.empty((ring_ids.shape[0], ring.shape[2]), ring.dtype)
-        self._check_ring_rows(ring, ring_ids, positions, out.shape[0], ring.shape[2])
-        if out.shape[0]:
-            parts = [self._dev(a) for a in (ring, ring_ids, positions, out)]
-            self._launch.ring_read(*parts, self._stream())
-        return out
-
-    def copy_rows(self, src: Any, src_rows: Any, dst: Any, dst_rows: Any) -> None:
-        """dst[dst_rows[i]] = src[src_rows[i]] (the newest row's state into its lane's slot)."""
-        check_array(src, "copy_rows src", None, 2, xp=self.xp)
-        check_array(dst, "copy_rows dst", src.dtype, 2, xp=self.xp)
-        check_array(src_rows, "copy_rows src_rows", np.int64, 1, xp=self.xp)
-        check_array(dst_rows, "copy_rows dst_rows", np.int64, 1, xp=self.xp)
-        check_shape(dst_rows, "copy_rows dst_rows", src_rows.shape)
-        if dst.shape[1] != src.shape[1]:
-            raise BadInputError(f"copy_rows: widths differ ({src.shape[1]} vs {dst.shape[1]})")
-        self._range(src_rows, "copy_rows src_rows", 0, src.shape[0])
-        self._range(dst_rows, "copy_rows dst_rows", 0, dst.shape[0])
-        if src_rows.shape[0]:
-            parts = [self._dev(a) for a in (src, src_rows, dst, dst_rows)]
-            self._launch.copy_rows(*parts, self._stream())
-
-    def _check_ring_rows(self, ring: Any, ring_ids: Any, positions: Any, rows: int, width: int) -> None:
-        check_array(ring_ids, "ring_ids", np.int32, 1, xp=self.xp)
-        check_array(positions, "ring positions", np.int64, 1, xp=self.xp)
-        check_shape(ring_ids, "ring_ids", (rows,))
-        check_shape(positions, "ring positions", (rows,))
-        if ring.shape[2] != width:
-            raise BadInputError(f"ring: width {ring.shape[2]} != rows' width {width}")
-        self._range(ring_ids, "ring_ids", 0, ring.shape[0])
-        self._range(positions, "ring positions", 0, 1 << 62)
-
     # ------------------------------------------------------------------ MoE
     def moe(self, x: Any, router: Linear, gate: Linear, up: Linear, down: Linear,
             top_k: int, norm_topk_prob: bool) -> Any:

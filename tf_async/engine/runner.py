@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend.base import DeviceSampler, Ops, device_sampler
+from ..backend.base import Array, DeviceSampler, Ops, device_sampler
 from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
 from ..models.protocol import DecoderProtocol
 from ..models.qwen35 import RecurrentStates
@@ -40,7 +40,7 @@ class Arena:
         self.kv_scales = ops.asarray(scales.astype(np.float32))
         self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
 
-    def add_drafter_region(self, region):  # noqa: ANN001, ANN201 - an Array of uint8
+    def add_drafter_region(self, region: Array) -> Array:  # region: [bytes] uint8
         """Attach the drafter areas' byte region; done once at engine start."""
         assert self.drafter_region is None, "the drafter region is allocated once"
         self.drafter_region = region

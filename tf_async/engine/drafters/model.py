@@ -102,7 +102,7 @@ def make_model_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoi
                         options.draft_tokens)
 
 
-def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202
+def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):
     """The draft checkpoint, its decoder and KV scales (the target's own when it drafts itself)."""
     if _same_file(path, str(ckpt.path)):
         refuse_recurrent_draft(ckpt)
