@@ -28,6 +28,8 @@ LAYERS: dict[str, int] = {
     "tf_async.cli": 6,  # the command line and its tools sit on top, beside the server
     "tf_async.gate": 6,
     "tf_async.bench": 6,
+    "tf_async.baseline": 6,
+    "tf_async.baseline_cli": 6,
 }
 KERNEL_DEPENDENCIES = {"numba", "llvmlite", "numpy", "cuda_kernels"}  # llvmlite: numba's own IR
 

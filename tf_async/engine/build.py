@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..backend.base import Ops, graph_ops
+import numpy as np
+
+from ..backend.base import Array, Ops, graph_ops
 from ..backend.select import make_ops
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
@@ -15,10 +18,11 @@ from ..models.loader import make_decoder
 from ..models.protocol import DecoderProtocol
 from .calibrate import kv_scales_for
 from .core import EngineCore
-from .drafters.registry import attach_drafter
+from .drafters.registry import attach_drafter, keeps_a_ring
 from .lanes import Lanes
 from .options import EngineOptions
 from .pages import Runs, pages_for_rows
+from .prefix import StateSlots
 from .runner import Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
@@ -55,12 +59,19 @@ def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], N
     ops = make_ops(options.device)
     num_lanes = options.parallel
     decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
-    runs = _make_runs(options)
+    recurrent = decoder.states is not None
+    runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options, recurrent))
+    kv_scales = kv_scales_for(decoder, ckpt, options.kv_dtype)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options.page_size,
-                  kv_dtype=options.kv_dtype, kv_scales=kv_scales_for(decoder, ckpt, options.kv_dtype))
+                  kv_dtype=options.kv_dtype, kv_scales=kv_scales)
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options.step_tokens, ctx=options.ctx,
-                          recurrent=decoder.states is not None, decode_steps=options.decode_steps)
+                          recurrent=recurrent, decode_steps=options.decode_steps,
+                          cache_identity=kv_identity(ckpt, options.kv_dtype, kv_scales))
+    states = decoder.states
+    if states is not None and runs.cache is not None:
+        states.add_prefix_slots(num_lanes)
+        scheduler.state_slots = StateSlots(num_lanes)
     runner = Runner(_maybe_graphs(decoder, options.cuda_graphs), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.drafter:
@@ -71,11 +82,30 @@ def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], N
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
 
 
-def _make_runs(options: EngineOptions) -> Runs:
+def _make_runs(options: EngineOptions, *, prefix_cache: bool) -> Runs:
     per_lane = pages_for_rows(options.ctx, options.page_size)
     num_pages = options.kv_pages or per_lane * options.parallel
     return Runs(paging=options.paging, num_lanes=options.parallel, pages_per_lane=per_lane,
-                page_size=options.page_size, num_pages=num_pages)
+                page_size=options.page_size, num_pages=num_pages, prefix_cache=prefix_cache)
+
+
+def _prefix_cache_applies(options: EngineOptions, recurrent: bool) -> bool:
+    """Prefix reuse needs paged KV; hybrids resume from recurrent states kept at page
+    boundaries (one slot a lane). Not with ring drafters (draft model, MTP: their rings follow
+    every row of the target): those recompute their prompts as before."""
+    ring_drafter = options.drafter is not None and keeps_a_ring(options.drafter)
+    return options.prefix_cache and options.paging and not ring_drafter
+
+
+def kv_identity(ckpt: Checkpoint, kv_dtype: str, kv_scales: Array | None) -> bytes:
+    """Everything besides the tokens that decides a page's KV: the model, the KV dtype and its
+    scales (the prefix cache's root key hashes it)."""
+    digest = hashlib.sha256(repr(ckpt.config).encode())
+    digest.update(repr(sorted(ckpt.meta.items(), key=lambda kv: kv[0])).encode())
+    digest.update(kv_dtype.encode())
+    if kv_scales is not None:
+        digest.update(np.asarray(kv_scales, np.float32).tobytes())
+    return digest.digest()
 
 
 def _maybe_graphs(decoder: DecoderProtocol, cuda_graphs: bool) -> DecoderProtocol:

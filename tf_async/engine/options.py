@@ -34,6 +34,7 @@ class EngineOptions:
     draft_ring: int | None = None  # ring rows of a drafter context (default: ctx)
     draft_areas: int | None = None  # drafter areas in the arena (default: one a lane)
     ngram_min: int = 2  # shortest suffix the ngram drafter matches
+    prefix_cache: bool = True  # share cached prefix pages between streams (needs paging)
 
     def __post_init__(self) -> None:
         _need(_is_int(self.parallel) and 1 <= self.parallel <= 1024, "parallel must be in [1, 1024]", "parallel")

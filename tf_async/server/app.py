@@ -26,7 +26,7 @@ from .schemas import (
     message_dicts,
 )
 from .sse import ChatFormat, CompletionFormat, stream_sse
-from .state import SERVER_KEY, HttpError, Server
+from .state import SERVER_KEY, WS_HEARTBEAT_S, HttpError, Server
 from .ws import chat_websocket
 
 log = logging.getLogger("tf_async.server")
@@ -170,6 +170,10 @@ class Routes(Server):
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "favicon.svg",
+                                headers={"Content-Type": "image/svg+xml"})
+
 
 def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
@@ -180,7 +184,7 @@ def _engine_logprobs(num_logprobs: int | None) -> int | None:
     return None if num_logprobs is None else max(1, num_logprobs)
 
 
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/favicon.ico", "/favicon.svg")
 
 
 @web.middleware
@@ -223,12 +227,14 @@ async def _close_websockets(app: web.Application) -> None:
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
                model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               ws_heartbeat_s: float = WS_HEARTBEAT_S) -> web.Application:
     """The aiohttp application serving `engine` (a started `tf_async.Engine`)."""
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, cors_middleware, auth_middleware])
     server = app[SERVER_KEY] = Routes(engine, api_key=api_key, cors_origin=cors_origin,
-                                      model_name=model_name, max_body_bytes=max_body_bytes)
+                                      model_name=model_name, max_body_bytes=max_body_bytes,
+                                      ws_heartbeat_s=ws_heartbeat_s)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -240,6 +246,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/v1/chat/ws", chat_websocket)
     app.router.add_get("/", server.index)
+    app.router.add_get("/favicon.ico", server.favicon)  # browsers ask for it: no 404
+    app.router.add_get("/favicon.svg", server.favicon)
     app.on_response_prepare.append(_add_cors)
     app.on_shutdown.append(_close_websockets)
     return app

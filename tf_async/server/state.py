@@ -13,6 +13,7 @@ from ..errors import BadInputError
 from .metrics import ServerMetrics
 from .schemas import decode
 
+WS_HEARTBEAT_S = 30.0  # websocket ping interval; a client that misses a pong is dropped
 
 class HttpError(BadInputError):
     """Bad input answered with a status other than 400 (401, 403, 404, 413, 415)."""
@@ -28,12 +29,14 @@ class Server:
     """The state behind the routes: engine, settings and metrics of one app."""
 
     def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | None, max_body_bytes: int):
+                 model_name: str | None, max_body_bytes: int,
+                 ws_heartbeat_s: float = WS_HEARTBEAT_S):
         self.engine = engine
         self.api_key = api_key
         self.cors_origin = cors_origin
         self.model_name = model_name or getattr(engine, "model_name", None) or "tf-async"
         self.max_body_bytes = max_body_bytes
+        self.ws_heartbeat_s = ws_heartbeat_s
         self.metrics = ServerMetrics(engine.stats)
         self.websockets: set[web.WebSocketResponse] = set()
 

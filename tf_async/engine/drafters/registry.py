@@ -29,6 +29,9 @@ class DrafterKind:
     name: str
     make: MakeDrafter
     takes_path: bool = False  # written `name:PATH`
+    # Keeps a ring of K/V rows that follows every row of the target (its prompt rows too):
+    # a stream of such a drafter cannot start from cached prefix pages.
+    keeps_a_ring: bool = False
 
     @property
     def usage(self) -> str:
@@ -37,8 +40,8 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("ngram", make_ngram_drafter),
-    DrafterKind("mtp", make_mtp_drafter),
-    DrafterKind("draft", make_model_drafter, takes_path=True),
+    DrafterKind("mtp", make_mtp_drafter, keeps_a_ring=True),
+    DrafterKind("draft", make_model_drafter, takes_path=True, keeps_a_ring=True),
 )}
 
 
@@ -50,6 +53,11 @@ def parse_drafter(spec: str) -> DrafterSpec:
         return DrafterSpec(name, path or None)
     expected = ", ".join(k.usage for k in KINDS.values())
     raise BadInputError(f"unknown drafter {spec!r}: expected one of {expected}", param="drafter")
+
+
+def keeps_a_ring(spec: str) -> bool:
+    """Whether the drafter `spec` names keeps a ring that follows every row of the target."""
+    return KINDS[parse_drafter(spec).kind].keeps_a_ring
 
 
 def attach_drafter(options: EngineOptions, ckpt: Checkpoint, scheduler: Scheduler,
