@@ -325,3 +325,11 @@ async def test_a_resumed_hybrid_lane_starts_from_the_kept_state_not_zero(hybrids
     async with Engine(hybrids["qwen3_5-mlx4"], **OPTIONS) as eng:
         broken = await _chat(eng, 3, "greedy", seed=6)
     assert [ids for ids, _ in broken] != [ids for ids, _ in fresh]
+
+
+def test_serve_turns_the_cache_off_with_no_prefix_cache() -> None:
+    from tf_async.cli import _parser
+    from tf_async.server.cli import engine_from_args
+
+    for argv, want in (([], True), (["--no-prefix-cache"], False)):
+        assert engine_from_args(_parser().parse_args(["serve", *argv])).options.prefix_cache is want

@@ -67,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV page pool size with paging (env TF_KV_PAGES)")
     parser.add_argument("--paging", action=argparse.BooleanOptionalAction, default=True,
                         help="take KV pages on demand from a shared pool")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of prompts seen before (resumed chats, shared "
+                             "system prompts; same outputs); paging only")
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="prompt tokens per round (stepped prefill)")
     add_decode_steps_arg(parser)
@@ -109,8 +112,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
                   cuda_graphs=args.cuda_graphs, decode_steps=args.decode_steps,
-                  draft_ring=args.draft_ring, draft_areas=args.draft_areas,
-                  ngram_min=args.ngram_min)
+                  prefix_cache=args.prefix_cache, draft_ring=args.draft_ring,
+                  draft_areas=args.draft_areas, ngram_min=args.ngram_min)
 
 
 def run_serve(args: argparse.Namespace) -> int:
