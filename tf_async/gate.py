@@ -109,19 +109,22 @@ class GateRun:
             self.idle[f"{key}-{mode}"] = eng.stats()
         return got
 
+    async def complete(self, eng: Engine, ids: list[int], index: int, mode: str) -> list[int]:
+        done = await eng.complete(ids, **sampling(mode, index, self.max_tokens, self.temperature))
+        return done.token_ids
+
     async def resumed_row(self, mode: str, solo: list[list[int]]) -> GateRow:
         """Turn 2 of each prompt's chat (turn 1, its output, a follow-up) on an engine that
         served turn 1 (prefix cache, all chats at once), against turn 2 alone on a fresh
         engine without the cache."""
-        kw = dict(mode=mode, max_tokens=self.max_tokens, temperature=self.temperature)
         async with Engine(self.ckpt, parallel=1, step_tokens=512, prefix_cache=False,
                           **self.base) as fresh_engine:
             turns = [_turn_two(fresh_engine, p, solo[i]) for i, p in enumerate(self.prompts)]
-            fresh = [await _complete(fresh_engine, t, i, **kw) for i, t in enumerate(turns)]
+            fresh = [await self.complete(fresh_engine, t, i, mode) for i, t in enumerate(turns)]
         async with Engine(self.ckpt, parallel=4, step_tokens=64, **self.base) as eng:
             async def chat(i: int) -> list[int]:
-                first = await _complete(eng, _turn_one(eng, self.prompts[i]), i, **kw)
-                return await _complete(eng, _turn_two(eng, self.prompts[i], first), i, **kw)
+                first = await self.complete(eng, _turn_one(eng, self.prompts[i]), i, mode)
+                return await self.complete(eng, _turn_two(eng, self.prompts[i], first), i, mode)
 
             got = list(await asyncio.gather(*(chat(i) for i in range(len(self.prompts)))))
             self.idle[f"resumed-{mode}"] = eng.stats()
@@ -163,12 +166,6 @@ def _turn_one(eng: Engine, prompt: str) -> list[int]:
 
 def _turn_two(eng: Engine, prompt: str, answer: list[int]) -> list[int]:
     return _turn_one(eng, prompt) + answer + eng.tokenizer.encode(FOLLOW_UP, add_special_tokens=False)
-
-
-async def _complete(eng: Engine, ids: list[int], index: int, *, mode: str, max_tokens: int,
-                    temperature: float) -> list[int]:
-    done = await eng.complete(ids, **sampling(mode, index, max_tokens, temperature))
-    return done.token_ids
 
 
 def format_table(rows: list[GateRow]) -> str:
