@@ -58,7 +58,9 @@ def run_server(args: argparse.Namespace, cache_dir: str, warmup: bool) -> tuple[
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
-        proc.stdout.readline()  # "tf-async: serving ..." once ready
+        while "serving" not in proc.stdout.readline():  # "tf-async: serving ..." once ready
+            if proc.poll() is not None:
+                raise SystemExit("the server did not start")
         ready_s = time.perf_counter() - started
         ttfts = [asyncio.run(ttft_s(f"http://127.0.0.1:{port}")) for _ in range(3)]
     finally:

@@ -579,7 +579,9 @@ async def _soak_server(args: argparse.Namespace, drafter: str | None) -> str:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        proc.stdout.readline()  # "tf-async: serving ..." once ready
+        while "serving" not in proc.stdout.readline():  # "tf-async: serving ..." once ready
+            if proc.poll() is not None:
+                raise SystemExit("the server did not start")
         url = f"http://127.0.0.1:{port}"
         rss_before = _rss_mb(proc.pid)
         plan = make_plan(args.requests, random.Random(args.seed), abandon_fraction=args.abandon,

@@ -24,7 +24,7 @@ async def test_all_gates_pass_on_tiny_model(tiny_llama):
     rows, idle = await run_gates(tiny_llama, device="cpu", max_tokens=12, ctx=256)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1) + 1
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
 
 
@@ -81,7 +81,7 @@ async def test_out_of_pages_preempts_and_recomputes_without_changing_tokens(tiny
         assert stats["preemptions"] == eng.parts.scheduler.num_preemptions
 
 
-def test_preemptions_are_a_counter_in_metrics():
+async def test_preemptions_are_a_counter_in_metrics():
     from tf_async.server.metrics import ServerMetrics
 
     text = ServerMetrics(lambda: {"preemptions": 3, "lanes_in_use": 0}).render().decode()
@@ -94,13 +94,14 @@ async def test_queue_is_fcfs_bounded_and_refuses_what_never_fits(tiny_llama):
         with pytest.raises(BadInputError) as err:
             await eng.complete("hello", max_tokens=64)
         assert err.value.param == "max_tokens"
-        streams = [eng.stream(p, max_tokens=4) for p in PROMPTS[:3]]
-        firsts = [await s.__anext__() for s in streams]  # 1 running + 2 queued
+        streams = [eng.stream(p, max_tokens=40, ignore_eos=True) for p in PROMPTS[:3]]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]  # each submits at once
+        assert (await firsts[0]).token_ids  # 1 running + 2 queued (the engine holds all 3)
         with pytest.raises(QueueFullError):
             await eng.complete("x", max_tokens=2)
-        for s in streams:
+        for first, s in zip(firsts, streams, strict=True):
+            first.cancel()
             await s.aclose()
-        assert all(f.text is not None for f in firsts)
         await idle_stats(eng)
 
 

@@ -28,6 +28,7 @@ class Usage:
     completion_tokens: int = 0
     drafted_tokens: int = 0  # extension: tokens proposed by the drafter
     accepted_tokens: int = 0  # extension: drafted tokens accepted by verification
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:

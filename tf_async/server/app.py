@@ -7,18 +7,16 @@ Every error leaves as the OpenAI error JSON; bad input is a 4xx, never a 500.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
 
 from ..errors import BadInputError, QueueFullError
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import JsonErrorRunner, client_fault_reason
+from .metrics import CONTENT_TYPE
+from .protocol import JsonErrorRunner
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -26,30 +24,20 @@ from .schemas import (
     ErrorDetail,
     ErrorResponse,
     TokenizeRequest,
-    decode,
     message_dicts,
 )
 from .sse import ChatFormat, CompletionFormat, stream_sse
+from .state import SERVER_KEY, WS_HEARTBEAT_S, HttpError, Server
+from .ws import chat_websocket
 
 log = logging.getLogger("tf_async.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-READABLE_ENCODINGS = ("", "identity", "gzip", "x-gzip", "deflate")  # aiohttp decodes these
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 STATIC_DIR = Path(__file__).parent / "static"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 429: "rate_limit_error"}
 _encoder = msgspec.json.Encoder()
-
-
-class HttpError(BadInputError):
-    """Bad input answered with a status other than 400 (401, 403, 404, 413, 415)."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message, param=param, code=code)
-        self.status = status
-        self.headers = headers or {}
 
 
 def error_response(status: int, message: str, *, code: str | None = None,
@@ -88,85 +76,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return error_response(500, "internal server error (logged)", code="internal_error")
 
 
-class Server:
-    """The state behind the routes: engine, settings and metrics of one app."""
-
-    def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | None, max_body_bytes: int):
-        self.engine = engine
-        self.api_key = api_key
-        self.cors_origin = cors_origin
-        self.model_name = model_name or getattr(engine, "model_name", None) or "tf-async"
-        self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics(engine.stats)
-        self.websockets: set[web.WebSocketResponse] = set()
-
-    # ------------------------------------------------------------ request checks
-
-    def authorized(self, request: web.Request) -> bool:
-        """Bearer key in constant time; browsers (page, websocket) may pass ?api_key=."""
-        assert self.api_key is not None
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" and request.method == "GET":
-            token = request.query.get("api_key", "")
-        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-
-    def check_model(self, name: str | None) -> None:
-        """`model` is only ever compared with the served name, never used as a path."""
-        if name and name != self.model_name:
-            raise HttpError(404, f"The model `{name}` does not exist; this server serves "
-                            f"`{self.model_name}`.", code="model_not_found", param="model")
-
-    def check_origin(self, request: web.Request) -> None:
-        """Refuse cross-site websocket upgrades unless the origin is the allowed one."""
-        origin = request.headers.get("Origin")
-        if origin is None or origin == self.cors_origin or self.cors_origin == "*":
-            return
-        if urlsplit(origin).netloc != request.host:
-            raise HttpError(403, f"origin {origin} is not allowed", code="origin_not_allowed")
-
-    async def read_json(self, request: web.Request, kind: type[Any]) -> Any:
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise HttpError(413, f"request body over {self.max_body_bytes} bytes",
-                            code="request_too_large")
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
-        if encoding not in READABLE_ENCODINGS:  # aiohttp would pass the body on undecoded
-            raise HttpError(415, f"Content-Encoding {encoding!r} is not supported (send gzip, "
-                            f"deflate or none)", code="unsupported_content_encoding")
-        if request.content_type != "application/json":
-            raise HttpError(415, f"Content-Type must be application/json, not "
-                            f"{request.content_type}", code="unsupported_media_type")
-        try:
-            return decode(await request.read(), kind)
-        except (web.RequestPayloadError, BadInputError) as exc:
-            if _client_gone(request):  # a body cut short by a client that left: a disconnect
-                raise ConnectionResetError("the client went away while sending the body") from exc
-            if isinstance(exc, BadInputError):
-                raise
-            raise BadInputError(f"cannot read the request body: {client_fault_reason(exc)}",
-                                code="invalid_body") from None
-
-    def max_tokens_for(self, requested: int | None, default: int) -> int:
-        ctx = int(self.engine.ctx)
-        if requested is not None and requested > ctx:
-            raise BadInputError(f"max_tokens={requested} is more than the context ({ctx} tokens)",
-                                param="max_tokens", code="max_tokens_too_large")
-        return requested if requested is not None else default
-
-    def chat_default_max_tokens(self, messages: list[dict[str, str]]) -> int:
-        """Chats default to what is left of the context after the prompt."""
-        return max(1, int(self.engine.ctx) - len(self.chat_prompt_ids(messages)))
-
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if hasattr(tokenizer, "encode_chat"):  # what Engine.chat uses (special tokens included)
-            return list(tokenizer.encode_chat(messages))
-        return list(tokenizer.encode(tokenizer.apply_chat_template(messages,
-                                                                   add_generation_prompt=True)))
-
-    def decode_token(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+class Routes(Server):
+    """The routes of one app, on its Server state."""
 
     # ------------------------------------------------------------ generation routes
 
@@ -260,9 +171,9 @@ class Server:
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
-
-def _client_gone(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "favicon.svg",
+                                headers={"Content-Type": "image/svg+xml"})
 
 
 def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
@@ -274,8 +185,7 @@ def _engine_logprobs(num_logprobs: int | None) -> int | None:
     return None if num_logprobs is None else max(1, num_logprobs)
 
 
-SERVER_KEY = web.AppKey("tf_async_server", Server)
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/favicon.ico", "/favicon.svg")
 
 
 @web.middleware
@@ -318,14 +228,14 @@ async def _close_websockets(app: web.Application) -> None:
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
                model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               ws_heartbeat_s: float = WS_HEARTBEAT_S) -> web.Application:
     """The aiohttp application serving `engine` (a started `tf_async.Engine`)."""
-    from .ws import chat_websocket  # ws imports this module's helpers
-
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, cors_middleware, auth_middleware])
-    server = app[SERVER_KEY] = Server(engine, api_key=api_key, cors_origin=cors_origin,
-                                      model_name=model_name, max_body_bytes=max_body_bytes)
+    server = app[SERVER_KEY] = Routes(engine, api_key=api_key, cors_origin=cors_origin,
+                                      model_name=model_name, max_body_bytes=max_body_bytes,
+                                      ws_heartbeat_s=ws_heartbeat_s)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -337,6 +247,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/v1/chat/ws", chat_websocket)
     app.router.add_get("/", server.index)
+    app.router.add_get("/favicon.ico", server.favicon)  # browsers ask for it: no 404
+    app.router.add_get("/favicon.svg", server.favicon)
     app.on_response_prepare.append(_add_cors)
     app.on_shutdown.append(_close_websockets)
     return app

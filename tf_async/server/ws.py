@@ -23,8 +23,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from ..api_types import Delta
 from ..errors import BadInputError, QueueFullError
-from .app import SERVER_KEY, Server
 from .schemas import UsageOut, WsCancel, WsChat, decode
+from .state import SERVER_KEY, Server
 
 log = logging.getLogger("tf_async.server")
 
@@ -189,7 +189,7 @@ async def chat_websocket(request: web.Request) -> web.WebSocketResponse:
     """GET /v1/chat/ws: upgrade and serve chats until the socket closes."""
     server = request.app[SERVER_KEY]
     server.check_origin(request)
-    ws = web.WebSocketResponse(heartbeat=30.0,
+    ws = web.WebSocketResponse(heartbeat=server.ws_heartbeat_s,
                                max_msg_size=FRAME_READ_FACTOR * server.max_body_bytes)
     await ws.prepare(request)
     server.websockets.add(ws)
