@@ -26,12 +26,3 @@ def choose_threading_layer() -> None:
 
         numba.config.THREADING_LAYER = DEFAULT_LAYER  # type: ignore[attr-defined]
 
-
-def set_kernel_threads(num_threads: int | None) -> None:
-    """Threads of the parallel kernels launched from the calling thread (Numba's setting is
-    per thread); None keeps Numba's (NUMBA_NUM_THREADS, else the number of cores)."""
-    if num_threads is not None:
-        import numba
-
-        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-        numba.set_num_threads(max(1, min(num_threads, most)))
