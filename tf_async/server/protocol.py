@@ -13,10 +13,13 @@ import asyncio
 import logging
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+
+from .schemas import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("tf_async.server")
 CLIENT_FAULTS = (HttpProcessingError, web.RequestPayloadError)
@@ -37,11 +40,11 @@ class JsonErrorHandler(RequestHandler):
                      exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
         if status >= 500 or not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
-        from .app import error_response  # app imports this module when it starts a server
-
         self.log_exception("bad request from %s", request.remote, exc_info=exc)
-        response = error_response(status, f"bad HTTP request: {client_fault_reason(exc)}",
-                                  code="bad_http_request")
+        detail = ErrorDetail(f"bad HTTP request: {client_fault_reason(exc)}",
+                             "invalid_request_error", None, "bad_http_request")
+        response = web.Response(status=status, body=msgspec.json.encode(ErrorResponse(detail)),
+                                content_type="application/json")
         response.force_close()
         return response
 
