@@ -137,7 +137,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    line = proc.stdout.readline()  # "tf-async: serving ..." once the port is open
+    line = proc.stdout.readline()  # "tf-async: loading ...", then "serving ..." once listening
+    while line and "serving" not in line:
+        line = proc.stdout.readline()
     if "serving" not in line:
         proc.kill()
         raise SystemExit(f"server did not start: {line!r}")

@@ -78,6 +78,15 @@ async def test_out_of_pages_preempts_and_recomputes_without_changing_tokens(tiny
         assert eng.parts.scheduler.num_preemptions > 0
         stats = await idle_stats(eng)
         assert stats["pages_in_use"] == 0
+        assert stats["preemptions"] == eng.parts.scheduler.num_preemptions
+
+
+async def test_preemptions_are_a_counter_in_metrics():
+    from tf_async.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"preemptions": 3, "lanes_in_use": 0}).render().decode()
+    assert "# TYPE tf_preemptions_total counter" in text
+    assert "tf_preemptions_total 3.0" in text
 
 
 async def test_queue_is_fcfs_bounded_and_refuses_what_never_fits(tiny_llama):

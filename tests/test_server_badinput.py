@@ -3,6 +3,8 @@ status (never a 500), and the server keeps serving good requests afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 
 import aiohttp
@@ -129,6 +131,19 @@ RAW_CASES = {
     "body over the limit": (b'{"prompt": "' + b"a" * (MAX_BODY + 10) + b'"}',
                             "application/json", 413),
 }
+ENCODED_CASES = {"unknown encoding": ("zstd-x", json.dumps(comp()).encode(), 415),
+                 "two encodings": ("gzip, deflate", json.dumps(comp()).encode(), 415),
+                 "gzip of a body over the limit": ("gzip", gzip.compress(b" " * (4 * MAX_BODY)),
+                                                   413)}
+
+
+@pytest.mark.parametrize("case", list(ENCODED_CASES))
+async def test_bad_content_encoding(base_url, case):
+    encoding, body, status = ENCODED_CASES[case]
+    async with aiohttp.ClientSession() as http, http.post(
+            base_url + "/v1/completions", data=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding}) as resp:
+        await _assert_error(resp, status)
 
 
 @pytest.mark.parametrize("case", list(RAW_CASES))
@@ -194,3 +209,70 @@ async def test_bad_websocket_messages_keep_the_socket_open(base_url, frame, para
         while (msg := await ws.receive_json())["type"] == "delta":
             pass
         assert msg["type"] == "done" and msg["id"] == "ok"
+
+
+async def _raw_exchange(base_url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes on a fresh connection; parse the one HTTP response that comes back."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 60)
+    finally:
+        writer.close()
+    return int(lines[0].split()[1]), headers, body
+
+
+BODY = json.dumps(comp()).encode()
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+PARSER_CASES = {
+    "gzip body that is not gzip": POST + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n"
+                                  % len(BODY) + BODY,
+    "deflate body that is not deflate": POST + b"Content-Encoding: deflate\r\n"
+                                        b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY,
+    "br encoding": POST + b"Content-Encoding: br\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY,
+    "bad Content-Length": POST + b"Content-Length: abc\r\n\r\n" + BODY,
+    "bad chunk size": POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "over-long URL": b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "over-long header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10_000
+                        + b"\r\n\r\n",
+    "bad method": b"G(T /health HTTP/1.1\r\nHost: x\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", list(PARSER_CASES))
+async def test_malformed_http_is_a_400_json_without_a_logged_traceback(base_url, case, caplog):
+    status, headers, body = await _raw_exchange(base_url, PARSER_CASES[case])
+    assert status == 400, body
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    async with aiohttp.ClientSession() as http, http.get(base_url + "/health") as resp:
+        assert resp.status == 200
+
+
+async def test_body_cut_off_by_a_client_that_left_counts_as_a_disconnect(engine):
+    from aiohttp.test_utils import make_mocked_request
+
+    from tf_async.server.app import Server
+
+    server = Server(engine, api_key=None, cors_origin=None, model_name=None,
+                    max_body_bytes=MAX_BODY)
+    request = make_mocked_request("POST", "/v1/chat/completions",
+                                  headers={"Content-Type": "application/json"})
+    request.transport.is_closing.return_value = True  # the client has gone
+
+    async def cut_body() -> bytes:
+        return b'{"messages": [{"role": "us'
+
+    request.read = cut_body  # type: ignore[method-assign]
+    tracker = server.metrics.tracker("chat")
+    with pytest.raises(ConnectionResetError), tracker.guard():
+        await server.read_json(request, dict)
+    text = server.metrics.render().decode()
+    assert 'outcome="cancelled"' in text and 'outcome="bad_input"' not in text

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
+from tf_async.server.app import Server
 from tf_async.server.cli import ChatSession, InProcessChatClient, WsChatClient
+from tf_async.server.ws import ChatSocket
 
 from .server_helpers import live_server, metric_value, open_engine, wait_for, wait_idle
 
@@ -38,7 +41,7 @@ async def collect(ws: aiohttp.ClientWebSocketResponse, ids: set) -> dict:
     """Read until every chat in `ids` has ended; returns id -> {text, end message}."""
     out = {chat_id: {"text": "", "end": None} for chat_id in ids}
     while any(entry["end"] is None for entry in out.values()):
-        msg = await ws.receive_json()
+        msg = await ws.receive_json(timeout=120)  # a lost `done` fails instead of hanging
         if msg["type"] == "delta":
             out[msg["id"]]["text"] += msg["text"]
         else:
@@ -75,7 +78,6 @@ async def test_cancel_one_chat_leaves_the_others(engine, base_url):
         await ws.send_json({"type": "chat", "id": "short", "messages": user("short"),
                             "max_tokens": 10, "temperature": 0})
         await ws.send_json({"type": "cancel", "id": "long"})
-        await ws.send_json({"type": "cancel", "id": "no-such-chat"})  # ignored
         results = await collect(ws, {"long", "short"})
     assert results["long"]["end"] == {"type": "done", "id": "long", "finish_reason": "cancelled",
                                       "usage": None}
@@ -170,3 +172,64 @@ async def test_terminal_chat_refused_turn_is_forgotten(engine, base_url):
         session.params = {"max_tokens": 4, "temperature": 0}
         assert await session.ask("hi", io.StringIO()) == (await engine.chat_complete(
             user("hi"), max_tokens=4, temperature=0)).text
+
+
+class RecordingSocket:
+    """Stands in for the aiohttp websocket of a ChatSocket: records what is sent."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.arrived = asyncio.Event()
+
+    async def send_str(self, data: str) -> None:
+        self.sent.append(json.loads(data))
+        self.arrived.set()
+
+
+async def test_cancel_before_the_chat_task_starts_still_answers_done(engine, base_url):
+    # chat then cancel with no await between them: the chat's task has not run yet
+    server = Server(engine, api_key=None, cors_origin=None, model_name=None,
+                    max_body_bytes=1 << 20)
+    ws = RecordingSocket()
+    sock = ChatSocket(server, ws)  # type: ignore[arg-type]
+    await sock.on_text(json.dumps({"type": "chat", "id": "b", "messages": user("b"), **LONG}))
+    await sock.on_text(json.dumps({"type": "cancel", "id": "b"}))
+    await wait_for(lambda: not sock.chats, what="chat b ended")
+    assert ws.sent[-1] == {"type": "done", "id": "b", "finish_reason": "cancelled", "usage": None}
+    assert [m["id"] for m in ws.sent if m["type"] in ("done", "error")] == ["b"]
+    await wait_idle(engine)
+
+
+async def test_chat_chat_cancel_at_once_answers_every_chat(engine, base_url):
+    async with aiohttp.ClientSession() as http, http.ws_connect(base_url + "/v1/chat/ws") as ws:
+        await ws.send_json({"type": "chat", "id": "a", "messages": user("a"), "max_tokens": 5,
+                            "temperature": 0})
+        await ws.send_json({"type": "chat", "id": "b", "messages": user("b"), **LONG})
+        await ws.send_json({"type": "cancel", "id": "b"})
+        results = await collect(ws, {"a", "b"})
+    assert results["a"]["end"]["type"] == "done"
+    assert results["b"]["end"]["finish_reason"] == "cancelled"
+    await wait_idle(engine)
+
+
+async def test_cancel_of_an_unknown_id_is_an_error_naming_it(engine, base_url):
+    async with aiohttp.ClientSession() as http, http.ws_connect(base_url + "/v1/chat/ws") as ws:
+        await ws.send_json({"type": "cancel", "id": "no-such-chat"})
+        msg = await ws.receive_json(timeout=120)
+        assert msg["type"] == "error" and msg["id"] == "no-such-chat"
+        assert msg["error"]["code"] == "unknown_id" and msg["error"]["param"] == "id"
+        await ws.send_json({"type": "chat", "id": 1, "messages": user("x"), "max_tokens": 3})
+        assert (await collect(ws, {1}))[1]["end"]["type"] == "done"
+
+
+async def test_oversized_frame_gets_an_error_and_close_code_1009(engine):
+    async with live_server(engine, max_body_bytes=64 * 1024) as url, \
+            aiohttp.ClientSession() as http, http.ws_connect(url + "/v1/chat/ws") as ws:
+        await ws.send_str(json.dumps({"type": "chat", "id": 1, "messages": user("x" * 100_000)}))
+        msg = await ws.receive_json(timeout=120)
+        assert msg["type"] == "error" and msg["error"]["code"] == "frame_too_large", msg
+        closing = await ws.receive(timeout=120)
+        assert closing.type == aiohttp.WSMsgType.CLOSE and closing.data == 1009
+    await wait_idle(engine)

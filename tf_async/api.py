@@ -207,6 +207,26 @@ class Engine:
             self.parts.core.start()
         return self
 
+    async def warm_up(self) -> None:
+        """Take every path a request can reach once, so kernels compile (or load from Numba's
+        disk cache) and CUDA graphs are captured now, not in the first user's request: a
+        prompt longer than a step (stepped prefill) beside short ones (mixed rounds), greedy and
+        seeded sampling with every filter, penalties and logprobs, a chat, a repetitive prompt
+        (drafts to verify with an ngram drafter)."""
+        step_tokens = self.options.step_tokens
+        num_long = max(2, min(step_tokens + 8, self.ctx // 2 - 8))
+        pattern = self.tokenizer.encode("one two three one two three")
+        long_ids = [pattern[i % len(pattern)] for i in range(num_long)]
+        user = [{"role": "user", "content": "Say hello."}]
+        tokens = max(1, min(6, self.ctx - num_long))
+        sampled = dict(temperature=0.8, seed=1, top_k=8, top_p=0.9, min_p=0.01,
+                       presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                       logprobs=2)
+        await asyncio.gather(
+            self.complete(long_ids, max_tokens=tokens, ignore_eos=True),
+            self.chat_complete(user, max_tokens=tokens, ignore_eos=True, **sampled),
+            self.complete(pattern * 4, max_tokens=tokens, ignore_eos=True, stop=["\n\n"]))
+
     async def close(self) -> None:
         if self.parts is not None and not self.closed:
             await asyncio.to_thread(self.parts.core.shutdown)

@@ -26,6 +26,7 @@ from .prefix import StateSlots
 from .runner import Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
+from .threads import KERNEL_LOCK, choose_threading_layer
 
 
 @dataclass(slots=True)
@@ -55,6 +56,12 @@ def load_model(model: str | Checkpoint | None) -> Checkpoint:
 
 def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], None],
                  ) -> EngineParts:
+    choose_threading_layer()
+    with KERNEL_LOCK:  # loading may run kernels (fp8 calibration, zeroing)
+        return _build(options, publish)
+
+
+def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) -> EngineParts:
     ckpt = load_model(options.model)
     ops = make_ops(options.device)
     num_lanes = options.parallel

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .runner import Runner
 from .sched import Scheduler
 from .sequence import Sequence, TokenEvent
+from .threads import KERNEL_LOCK
 
 log = logging.getLogger("tf_async.engine")
 
@@ -93,12 +94,13 @@ class EngineCore:
 
     def _round(self) -> list[TokenEvent]:
         try:
-            plan = self.scheduler.schedule()
-            if not plan.rows:
-                return []
-            result = self.runner.execute(plan)
-            self.num_rounds += 1
-            return self.scheduler.update(plan, result)
+            with KERNEL_LOCK:
+                plan = self.scheduler.schedule()
+                if not plan.rows:
+                    return []
+                result = self.runner.execute(plan)
+                self.num_rounds += 1
+                return self.scheduler.update(plan, result)
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the engine thread
             log.error("engine round failed:\n%s", traceback.format_exc())
             return self._stop_all(error=f"internal error: {type(exc).__name__}: {exc}")
@@ -118,6 +120,7 @@ class EngineCore:
             "queued": len(sched.waiting),
             "running": len(sched.running),
             "rounds": self.num_rounds,
+            "preemptions": sched.num_preemptions,  # streams that gave their lane back (recompute)
             **self.runner.memory_stats(),
             **sched.drafter_stats(),
             **sched.prefix_cache_stats(),

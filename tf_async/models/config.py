@@ -12,6 +12,9 @@ from ..errors import ModelFormatError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Keys transformers 5 saves under another name (its configuration classes' `attribute_map`,
+# e.g. Qwen3MoeConfig stores num_experts as num_local_experts): original -> v5 name.
+TRANSFORMERS5_NAMES = {"num_experts": "num_local_experts"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +63,23 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def with_original_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with keys saved under transformers 5 names also under the original names."""
+    renamed = {old: cfg[new] for old, new in TRANSFORMERS5_NAMES.items()
+               if old not in cfg and new in cfg}
+    return {**cfg, **renamed} if renamed else cfg
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's `rope_parameters`; keyed by layer type when layers differ (the
+    full-attention layers' entry is the one the KV layers use)."""
     params = cfg.get("rope_parameters") or {}
+    nested = params.get("full_attention") if isinstance(params, dict) else None
+    return dict(nested) if isinstance(nested, dict) else dict(params)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = rope_parameters(cfg)
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
     scaling = cfg.get("rope_scaling") or (params if params else None)
     if scaling:
@@ -87,6 +105,7 @@ def config_from_hf(cfg: dict[str, Any], *, source: str = "config.json") -> Model
     """Build a ModelConfig from a Hugging Face config.json dict."""
     if "text_config" in cfg and "hidden_size" not in cfg:
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+    cfg = with_original_names(cfg)
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise ModelFormatError(f"{source}: unknown architecture model_type={arch!r}; supported: {SUPPORTED_ARCHS}")

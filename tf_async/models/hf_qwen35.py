@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint
-from .config import ROPE_TYPES, ModelConfig
+from .config import ROPE_TYPES, ModelConfig, rope_parameters, with_original_names
 from .hf import QuantSpec, TensorSource, WeightReader, _read_json, merge_generation_config
 from .progress import LoadProgress
 from .qwen35 import (
@@ -102,7 +102,7 @@ def _layer_types(cfg: dict[str, Any], source: str) -> tuple[str, ...]:
 def _rope(cfg: dict[str, Any], head_dim: int, source: str
           ) -> tuple[float, dict[str, Any] | None, int]:
     """(theta, scaling or None, rotary dims). Text-only M-RoPE is plain 1-D partial RoPE."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = rope_parameters(cfg) or dict(cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     rtype = params.get("rope_type", params.get("type", "default"))
@@ -146,7 +146,7 @@ def hybrid_config_from_hf(raw: dict[str, Any], *, source: str = "config.json") -
     if model_type is None:
         raise ModelFormatError(f"{source}: model_type {raw.get('model_type')!r} is not a "
                                f"Qwen3.5 hybrid ({HYBRID_ARCHS})")
-    cfg = text_config(raw)
+    cfg = with_original_names(text_config(raw))
     try:
         types = _layer_types(cfg, source)
         hybrid = HybridConfig(

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from ..errors import BadInputError, QueueFullError
 from .metrics import CONTENT_TYPE
+from .protocol import JsonErrorRunner
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -255,8 +256,9 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
 
 async def start_server(app: web.Application, host: str = "127.0.0.1",
                        port: int = 8000) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0 = an ephemeral port); returns the runner and the port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serve `app` on host:port (0 = an ephemeral port); returns the runner and the port.
+    A client's malformed HTTP is answered as the OpenAI error JSON (server/protocol.py)."""
+    runner = JsonErrorRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -97,6 +97,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="allow this browser origin (CORS); none by default")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (bigger: HTTP 413)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="before reporting ready, run a few tiny requests so every kernel a "
+                             "request can reach is compiled (the first request is not slower)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"), help="server log level")
     parser.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
@@ -167,6 +170,8 @@ async def _serve(args: argparse.Namespace) -> None:
     print(f"tf-async: loading {args.model or 'the default model'} (device {args.device})",
           flush=True)
     async with engine_from_args(args) as engine:
+        if args.warmup:
+            await engine.warm_up()
         app = create_app(engine, api_key=args.api_key, cors_origin=args.cors_origin,
                          max_body_bytes=args.max_body_bytes)
         runner, port = await start_server(app, args.host, args.port)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..api_types import Usage
 from ..errors import BadInputError, QueueFullError
@@ -31,6 +31,11 @@ _ENGINE_GAUGES = (
     ("tf_requests_running", "running", "Requests running in the engine."),
     ("tf_draft_areas_in_use", "draft_areas_in_use", "Drafter areas held by open lanes' runs."),
     ("tf_draft_area_bytes_in_use", "draft_area_bytes_in_use", "Bytes of drafter areas in use."),
+)
+# (metric name without _total, engine.stats() key, help): counters the engine keeps
+_ENGINE_COUNTERS = (
+    ("tf_preemptions", "preemptions",
+     "Streams preempted out of KV pages (lane given back, KV recomputed on re-admission)."),
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
@@ -51,6 +56,8 @@ class EngineCollector:
         stats = self._stats()
         for name, key, doc in _ENGINE_GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for name, key, doc in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
 
 
 class ServerMetrics:

@@ -11,9 +11,11 @@ from aiohttp import web
 
 from ..errors import BadInputError
 from .metrics import ServerMetrics
+from .protocol import client_fault_reason
 from .schemas import decode
 
 WS_HEARTBEAT_S = 30.0  # websocket ping interval; a client that misses a pong is dropped
+READABLE_ENCODINGS = ("", "identity", "gzip", "x-gzip", "deflate")  # aiohttp decodes these
 
 class HttpError(BadInputError):
     """Bad input answered with a status other than 400 (401, 403, 404, 413, 415)."""
@@ -69,10 +71,22 @@ class Server:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise HttpError(413, f"request body over {self.max_body_bytes} bytes",
                             code="request_too_large")
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in READABLE_ENCODINGS:  # aiohttp would pass the body on undecoded
+            raise HttpError(415, f"Content-Encoding {encoding!r} is not supported (send gzip, "
+                            f"deflate or none)", code="unsupported_content_encoding")
         if request.content_type != "application/json":
             raise HttpError(415, f"Content-Type must be application/json, not "
                             f"{request.content_type}", code="unsupported_media_type")
-        return decode(await request.read(), kind)
+        try:
+            return decode(await request.read(), kind)
+        except (web.RequestPayloadError, BadInputError) as exc:
+            if _client_gone(request):  # a body cut short by a client that left: a disconnect
+                raise ConnectionResetError("the client went away while sending the body") from exc
+            if isinstance(exc, BadInputError):
+                raise
+            raise BadInputError(f"cannot read the request body: {client_fault_reason(exc)}",
+                                code="invalid_body") from None
 
     def max_tokens_for(self, requested: int | None, default: int) -> int:
         ctx = int(self.engine.ctx)
@@ -94,6 +108,10 @@ class Server:
 
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+
+def _client_gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 SERVER_KEY = web.AppKey("tf_async_server", Server)

@@ -6,17 +6,20 @@ Client -> server: `{"type": "chat", "id": ..., "messages": [...], ...sampling pa
 null after a cancel) or `{"type": "error", "id", "error": {message, type, param, code}}`.
 Several chats run at once on one socket, each in its own task; closing the socket cancels
 them all. Sends share one lock, so a slow reader only holds back its own socket.
+Every chat id gets exactly one `done` or `error`; a cancel of an id that is not running gets
+an `error` naming it; a frame over the body limit gets an `error`, then close code 1009.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from typing import Any
 
 import msgspec
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from ..api_types import Delta
 from ..errors import BadInputError, QueueFullError
@@ -27,6 +30,9 @@ log = logging.getLogger("tf_async.server")
 
 ChatId = str | int
 _encoder = msgspec.json.Encoder()
+# aiohttp drops a frame over its own limit by closing the transport mid-frame (the client
+# sees a reset, not why); it reads frames up to this many times our limit so we can answer.
+FRAME_READ_FACTOR = 4
 
 
 class ChatSocket:
@@ -42,9 +48,14 @@ class ChatSocket:
     async def serve(self) -> None:
         try:
             async for msg in self.ws:
-                if msg.type == WSMsgType.TEXT:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    continue
+                size = len(msg.data.encode() if msg.type == WSMsgType.TEXT else msg.data)
+                if size > self.server.max_body_bytes:
+                    await self.refuse_frame(size)
+                elif msg.type == WSMsgType.TEXT:
                     await self.on_text(msg.data)
-                elif msg.type == WSMsgType.BINARY:
+                else:
                     await self.send_error(None, BadInputError("send JSON text frames"))
         finally:
             await self.cancel_all()
@@ -56,14 +67,31 @@ class ChatSocket:
             await self.send_error(_guess_id(data), exc)
             return
         if isinstance(msg, WsCancel):
-            task = self.chats.get(msg.id)
-            if task is not None:
-                task.cancel()
+            await self.cancel_chat(msg.id)
         elif msg.id in self.chats:
             await self.send_error(msg.id, BadInputError(f"chat {msg.id!r} is already running",
                                                         param="id", code="duplicate_id"))
         else:
             self.start_chat(msg)
+
+    async def refuse_frame(self, size: int) -> None:
+        limit = self.server.max_body_bytes
+        await self.send_error(None, BadInputError(f"websocket frame of {size} bytes is over the "
+                                                  f"limit of {limit} bytes", code="frame_too_large"))
+        await self.ws.close(code=WSCloseCode.MESSAGE_TOO_BIG, message=b"frame too large")
+
+    async def cancel_chat(self, chat_id: ChatId) -> None:
+        task = self.chats.get(chat_id)
+        if task is None:
+            await self.send_error(chat_id, BadInputError(f"no chat {chat_id!r} is running",
+                                                         param="id", code="unknown_id"))
+            return
+        # A task cancelled before its first step never enters run_chat's try (no `done`):
+        # let it start first. Tasks start in the order they were made, so this is one yield.
+        while _not_started(task):
+            await asyncio.sleep(0)
+        if not task.cancelling():  # a second cancel must not interrupt the first one's `done`
+            task.cancel()
 
     def start_chat(self, msg: WsChat) -> None:
         task = asyncio.create_task(self.run_chat(msg))
@@ -131,6 +159,11 @@ class ChatSocket:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _not_started(task: asyncio.Task[None]) -> bool:
+    coro = task.get_coro()
+    return inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+
+
 def _error_body(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, BadInputError):
         return {"message": exc.message, "type": "invalid_request_error", "param": exc.param,
@@ -156,7 +189,8 @@ async def chat_websocket(request: web.Request) -> web.WebSocketResponse:
     """GET /v1/chat/ws: upgrade and serve chats until the socket closes."""
     server = request.app[SERVER_KEY]
     server.check_origin(request)
-    ws = web.WebSocketResponse(heartbeat=server.ws_heartbeat_s, max_msg_size=server.max_body_bytes)
+    ws = web.WebSocketResponse(heartbeat=server.ws_heartbeat_s,
+                               max_msg_size=FRAME_READ_FACTOR * server.max_body_bytes)
     await ws.prepare(request)
     server.websockets.add(ws)
     try:
