@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..api_types import SamplingParams
 from .choice import token_choices
 from .lanes import Lanes
-from .sampling import apply_penalties, sample_token, top_logprobs
+from .sampling import adjust_logits, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
 if TYPE_CHECKING:
@@ -287,7 +287,7 @@ class Scheduler:
         self._lanes_to_restore.add(seq.lane)
 
     def _sample(self, seq: Sequence, row_logits) -> int:
-        x = apply_penalties(row_logits, seq.params, seq.prompt_ids, seq.output_ids)
+        x = adjust_logits(row_logits, seq.params, seq.prompt_ids, seq.output_ids, seq.stop_ids)
         return sample_token(x, seq.params, seq.seed, seq.num_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -7,8 +7,12 @@ Every error leaves as the OpenAI error JSON; bad input is a 4xx, never a 500.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import importlib.metadata
 import logging
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,7 +20,10 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
+from ..api import check_context
+from ..api_types import SamplingParams
 from ..errors import BadInputError, QueueFullError
+from .choices import ChoiceStreams
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import (
     ChatRequest,
@@ -28,7 +35,7 @@ from .schemas import (
     decode,
     message_dicts,
 )
-from .sse import ChatFormat, CompletionFormat, stream_sse
+from .sse import ChatFormat, CompletionFormat, respond
 
 log = logging.getLogger("tf_async.server")
 
@@ -90,11 +97,14 @@ class Server:
     """The state behind the routes: engine, settings and metrics of one app."""
 
     def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | None, max_body_bytes: int):
+                 model_name: str | list[str] | tuple[str, ...] | None, max_body_bytes: int):
         self.engine = engine
         self.api_key = api_key
         self.cors_origin = cors_origin
-        self.model_name = model_name or getattr(engine, "model_name", None) or "tf-async"
+        names = [model_name] if isinstance(model_name, str) else list(model_name or ())
+        self.model_names = tuple(names) or (getattr(engine, "model_name", None) or "tf-async",)
+        self.model_name = self.model_names[0]
+        self.fingerprint = _fingerprint(str(getattr(engine, "model_name", self.model_name)))
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(engine.stats)
         self.websockets: set[web.WebSocketResponse] = set()
@@ -111,10 +121,19 @@ class Server:
         return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def check_model(self, name: str | None) -> None:
-        """`model` is only ever compared with the served name, never used as a path."""
-        if name and name != self.model_name:
-            raise HttpError(404, f"The model `{name}` does not exist; this server serves "
-                            f"`{self.model_name}`.", code="model_not_found", param="model")
+        """`model` is only ever compared with the served names, never used as a path."""
+        self.served_name(name)
+
+    def served_name(self, name: str | None) -> str:
+        """The served name (or alias, --served-model-name) a request asked for; the first
+        name when it gave none."""
+        if not name:
+            return self.model_name
+        if name not in self.model_names:
+            served = ", ".join(f"`{n}`" for n in self.model_names)
+            raise HttpError(404, f"The model `{name}` does not exist; this server serves {served}.",
+                            code="model_not_found", param="model")
+        return name
 
     def check_origin(self, request: web.Request) -> None:
         """Refuse cross-site websocket upgrades unless the origin is the allowed one."""
@@ -140,19 +159,21 @@ class Server:
                                 param="max_tokens", code="max_tokens_too_large")
         return requested if requested is not None else default
 
-    def chat_default_max_tokens(self, messages: list[dict[str, str]]) -> int:
+    def chat_default_max_tokens(self, messages: list[dict[str, Any]]) -> int:
         """Chats default to what is left of the context after the prompt."""
         return max(1, int(self.engine.ctx) - len(self.chat_prompt_ids(messages)))
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if hasattr(tokenizer, "encode_chat"):  # what Engine.chat uses (special tokens included)
-            return list(tokenizer.encode_chat(messages))
-        return list(tokenizer.encode(tokenizer.apply_chat_template(messages,
-                                                                   add_generation_prompt=True)))
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(self.engine.chat_ids(messages))
 
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+    def choice_streams(self, prompts: list[list[int]], params: SamplingParams, n: int) -> ChoiceStreams:
+        """n engine streams per prompt; choice i of a prompt draws from for_choice(i)."""
+        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return ChoiceStreams([self.engine.stream(ids, params.for_choice(i, base_seed))
+                              for ids in prompts for i in range(n)], n)
 
     # ------------------------------------------------------------ generation routes
 
@@ -160,52 +181,49 @@ class Server:
         tracker = self.metrics.tracker("completions")
         with tracker.guard():
             req = await self.read_json(request, CompletionRequest)
-            self.check_model(req.model)
-            prompt = req.prompt_value()
+            model = self.served_name(req.model)
+            include_usage = req.include_usage()
+            req.check_best_of()
+            prompts = [self.engine.prompt_ids(prompt) for prompt in req.prompt_values()]
             max_tokens = self.max_tokens_for(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-            kwargs = req.engine_kwargs(max_tokens, _engine_logprobs(req.logprobs))
-            fmt = CompletionFormat(self.model_name, req.logprobs, self.decode_token)
-            if req.stream:
-                deltas = self.engine.stream(prompt, **kwargs)
-        if req.stream:
-            return await stream_sse(request, deltas, fmt, tracker, _include_usage(req))
-        with tracker.guard():
-            completion = await self.engine.complete(prompt, **kwargs)
-        tracker.finish(completion.finish_reason, completion.usage)
-        return json_response(fmt.full(completion))
+            for ids in prompts:
+                check_context(len(ids), max_tokens, int(self.engine.ctx),
+                              max_tokens_sent=req.max_tokens is not None)
+            params = req.sampling_params(max_tokens, _engine_logprobs(req.logprobs))
+            fmt = CompletionFormat(model, req.logprobs, self.decode_token, self.fingerprint)
+            choices = self.choice_streams(prompts, params, req.n)
+        return await respond(request, choices, fmt, tracker, stream=req.stream,
+                             include_usage=include_usage)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         tracker = self.metrics.tracker("chat")
         with tracker.guard():
             req = await self.read_json(request, ChatRequest)
-            self.check_model(req.model)
-            messages = req.message_dicts()
+            model = self.served_name(req.model)
+            include_usage = req.include_usage()
+            ids = self.engine.chat_ids(req.message_dicts())
             requested = req.requested_max_tokens()
-            default = self.chat_default_max_tokens(messages) if requested is None else 0
+            ctx = int(self.engine.ctx)
+            max_tokens = self.max_tokens_for(requested, max(1, ctx - len(ids)))
+            check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
             num_logprobs = req.num_logprobs()
-            kwargs = req.engine_kwargs(self.max_tokens_for(requested, default),
-                                       _engine_logprobs(num_logprobs))
-            fmt = ChatFormat(self.model_name, num_logprobs, self.decode_token)
-            if req.stream:
-                deltas = self.engine.chat(messages, **kwargs)
-        if req.stream:
-            return await stream_sse(request, deltas, fmt, tracker, _include_usage(req))
-        with tracker.guard():
-            completion = await self.engine.chat_complete(messages, **kwargs)
-        tracker.finish(completion.finish_reason, completion.usage)
-        return json_response(fmt.full(completion))
+            params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs))
+            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint)
+            choices = self.choice_streams([ids], params, req.n)
+        return await respond(request, choices, fmt, tracker, stream=req.stream,
+                             include_usage=include_usage)
 
     # ------------------------------------------------------------ other routes
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list",
+                              "data": [self._model_card(name) for name in self.model_names]})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.check_model(request.match_info["model"])
-        return json_response(self._model_card())
+        return json_response(self._model_card(self.served_name(request.match_info["model"])))
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tf_async",
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tf_async",
                 "max_model_len": int(self.engine.ctx)}
 
     async def health(self, request: web.Request) -> web.Response:
@@ -247,8 +265,14 @@ class Server:
         return web.FileResponse(STATIC_DIR / "index.html")
 
 
-def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _fingerprint(model_name: str) -> str:
+    """`system_fingerprint`: changes when the served model or the tf_async version does."""
+    try:
+        version = importlib.metadata.version("tf_async")
+    except importlib.metadata.PackageNotFoundError:
+        version = "dev"
+    digest = hashlib.sha256(f"{model_name}|{version}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
 
 
 def _engine_logprobs(num_logprobs: int | None) -> int | None:
@@ -278,9 +302,19 @@ async def cors_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     if origin is not None and request.method == "OPTIONS":
         return web.Response(status=204, headers=_cors_headers(origin) | {
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Allow-Headers": _allowed_headers(request),
             "Access-Control-Max-Age": "600"})
     return await handler(request)
+
+
+def _allowed_headers(request: web.Request) -> str:
+    """The preflight allows the headers it asks for (SDKs send x-stainless-*, openai-*)."""
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    names = ["Authorization", "Content-Type"] + [h.strip() for h in asked.split(",") if h.strip()]
+    return ", ".join(dict.fromkeys(name for name in names if _HEADER_NAME.fullmatch(name)))
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
 def _cors_headers(origin: str) -> dict[str, str]:
@@ -299,9 +333,10 @@ async def _close_websockets(app: web.Application) -> None:
 
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
-               model_name: str | None = None,
+               model_name: str | list[str] | tuple[str, ...] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
-    """The aiohttp application serving `engine` (a started `tf_async.Engine`)."""
+    """The aiohttp application serving `engine` (a started `tf_async.Engine`); `model_name`:
+    the name(s) it answers to (the first is the one /v1/models lists first)."""
     from .ws import chat_websocket  # ws imports this module's helpers
 
     app = web.Application(client_max_size=max_body_bytes,
