@@ -77,6 +77,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-origin", default=None,
                         help="allow this browser origin (CORS); none by default")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="name(s) the API answers to (aliases, e.g. gpt-4o-mini); the "
+                             "first is listed first; default: the model's own name")
     parser.add_argument("--log-level", default="info")
 
 
@@ -105,7 +108,7 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with engine_from_args(args) as engine:
         app = create_app(engine, api_key=args.api_key, cors_origin=args.cors_origin,
-                         max_body_bytes=args.max_body_bytes)
+                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
         runner, port = await start_server(app, args.host, args.port)
         print(f"tf-async: serving {engine.model_name} on http://{args.host}:{port} "
               f"(web chat at /, OpenAI API at /v1)", flush=True)
