@@ -29,6 +29,11 @@ async def base_url(engine):
         yield url
 
 
+def TOOL(name, parameters=None):  # noqa: N802 - reads like a constructor in the table
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {
+        "type": "object", "properties": {}}}}
+
+
 def chat(**fields):
     return {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, **fields}
 
@@ -104,7 +109,30 @@ JSON_CASES = {
     "logprobs too many": ("/v1/completions", comp(logprobs=50), 400, "logprobs"),
     "top_logprobs without logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400,
                                       "top_logprobs"),
-    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    "tool without function": ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400,
+                              "tools[0].function"),
+    "tool name with spaces": ("/v1/chat/completions", chat(tools=[TOOL("get weather")]), 400,
+                              "tools[0].function.name"),
+    "tool names repeated": ("/v1/chat/completions", chat(tools=[TOOL("f"), TOOL("f")]), 400,
+                            "tools"),
+    "tool_choice names no tool": ("/v1/chat/completions", chat(tools=[TOOL("f")], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    "tool_choice required without tools": ("/v1/chat/completions",
+                                           chat(tool_choice="required"), 400, "tool_choice"),
+    "tool parameters not a schema": ("/v1/chat/completions", chat(
+        tools=[TOOL("f", {"type": "objekt"})], tool_choice="required"), 400, "tools"),
+    "user content null": ("/v1/chat/completions",
+                          chat(messages=[{"role": "user", "content": None}]), 400,
+                          "messages[0].content"),
+    "response_format bad schema": ("/v1/chat/completions", chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400,
+        "response_format.json_schema.schema"),
+    "response_format without json_schema": ("/v1/chat/completions",
+                                             chat(response_format={"type": "json_schema"}), 400,
+                                             "response_format.json_schema"),
+    "response_format unknown type": ("/v1/chat/completions",
+                                     chat(response_format={"type": "yaml"}), 400,
+                                     "response_format.type"),
     "stream not a bool": ("/v1/chat/completions", chat(stream="yes"), 400, "stream"),
     "unknown model": ("/v1/chat/completions", chat(model="gpt-4"), 404, "model"),
     "model is a path": ("/v1/completions", comp(model="/etc/passwd"), 404, "model"),

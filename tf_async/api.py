@@ -9,8 +9,9 @@ import random
 import sys
 from typing import Any
 
-from .api_types import Completion, Delta, SamplingParams, Usage
+from .api_types import Completion, Delta, GrammarSpec, SamplingParams, Usage
 from .engine.build import EngineParts, build_engine
+from .engine.grammar import Grammars
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
@@ -122,6 +123,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
         self._ids = itertools.count(1)
+        self._grammar_compiler: Grammars | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Engine:
@@ -205,6 +207,17 @@ class Engine:
                f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return list(prompt)
 
+    @property
+    def _grammars(self) -> Grammars:
+        """The grammar compiler of this engine's tokenizer (made on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = Grammars(self.tokenizer)
+        return self._grammar_compiler
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Raise BadInputError naming the problem when `spec` does not compile."""
+        self._grammars.mask_for(spec)
+
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
         if params is None:
             return SamplingParams.of(**kwargs)
@@ -223,7 +236,8 @@ class Engine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request_id] = queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids))
+        mask = self._grammars.mask_for(params.grammar) if params.grammar is not None else None
+        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids, mask))
         return request_id, queue
 
     def _forget(self, request_id: int, *, cancel: bool) -> None:

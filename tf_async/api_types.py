@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 from .errors import BadInputError
 
@@ -16,6 +17,15 @@ _MASK63 = (1 << 63) - 1
 def _check(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise BadInputError(message, param=param)
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (constrained decoding, engine/grammar.py)."""
+
+    kind: Literal["json_schema", "lark", "regex"]
+    source: str  # the JSON schema's text, the Lark grammar or the regex
+    param: str | None = None  # the request field it came from (for error messages)
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probs per generated token (chosen token included)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many
+    grammar: GrammarSpec | None = None  # constrained decoding: the text must match it
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -95,10 +106,12 @@ class SamplingParams:
 
     @property
     def needs_host(self) -> bool:
-        """Anything only the host sampler does (penalties, min_p, logprobs, bias, min_tokens)."""
+        """Anything only the host sampler does (penalties, min_p, logprobs, bias, min_tokens,
+        grammar masks)."""
         return (self.logprobs is not None or self.repetition_penalty != 1.0
                 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_p > 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+                or self.min_p > 0.0 or bool(self.logit_bias) or self.min_tokens > 0
+                or self.grammar is not None)
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:

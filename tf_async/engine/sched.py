@@ -22,6 +22,7 @@ from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
 if TYPE_CHECKING:
     from .drafting import Drafter
+    from .grammar import TokenMask
 
 
 class Scheduler:
@@ -260,6 +261,8 @@ class Scheduler:
                 logprobs.append(top_logprobs(logits[i], token, seq.params.logprobs))
             seq.output_ids.append(token)
             new_ids.append(token)
+            if seq.mask is not None:  # the next row's mask follows this token
+                seq.mask.consume(token)
             finish = self._finish_reason(seq, token)
             if finish or (not stepped and (i >= len(rows.draft_ids) or rows.draft_ids[i] != token)):
                 break
@@ -288,6 +291,8 @@ class Scheduler:
 
     def _sample(self, seq: Sequence, row_logits) -> int:
         x = adjust_logits(row_logits, seq.params, seq.prompt_ids, seq.output_ids, seq.stop_ids)
+        if seq.mask is not None:
+            x = seq.mask.apply(x)
         return sample_token(x, seq.params, seq.seed, seq.num_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -311,8 +316,8 @@ class Scheduler:
 
 
 def make_sequence(request_id: int, prompt_ids: list[int], params: SamplingParams, seed: int,
-                  eos_ids: tuple[int, ...]) -> Sequence:
+                  eos_ids: tuple[int, ...], mask: TokenMask | None = None) -> Sequence:
     stop = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop |= set(eos_ids)
-    return Sequence(request_id, list(prompt_ids), params, seed, frozenset(stop))
+    return Sequence(request_id, list(prompt_ids), params, seed, frozenset(stop), mask=mask)

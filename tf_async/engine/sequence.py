@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..api_types import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import TokenMask
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_redo: int = 0  # rows after num_computed to re-feed after a recurrent-state rollback
+    mask: TokenMask | None = None  # the grammar state of a constrained request (its outputs so far)
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from ..api import check_context
-from ..api_types import SamplingParams
+from ..api_types import GrammarSpec, SamplingParams
 from ..errors import BadInputError, QueueFullError
 from .choices import ChoiceStreams
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -36,6 +36,7 @@ from .schemas import (
     message_dicts,
 )
 from .sse import ChatFormat, CompletionFormat, respond
+from .tools import ToolMode, build_tool_prompt, check_tools, tag_terms, tool_grammar
 
 log = logging.getLogger("tf_async.server")
 
@@ -201,17 +202,40 @@ class Server:
             req = await self.read_json(request, ChatRequest)
             model = self.served_name(req.model)
             include_usage = req.include_usage()
-            ids = self.engine.chat_ids(req.message_dicts())
+            ids, tool_mode, grammar = self.chat_prompt(req)
+            if grammar is not None:  # a bad schema is named before any length check
+                self.engine.check_grammar(grammar)
             requested = req.requested_max_tokens()
             ctx = int(self.engine.ctx)
             max_tokens = self.max_tokens_for(requested, max(1, ctx - len(ids)))
             check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
             num_logprobs = req.num_logprobs()
-            params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs))
-            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint)
+            params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
+            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint, tool_mode)
             choices = self.choice_streams([ids], params, req.n)
         return await respond(request, choices, fmt, tracker, stream=req.stream,
                              include_usage=include_usage)
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ToolMode | None, GrammarSpec | None]:
+        """Prompt ids of a chat request, how its replies are read for tool calls, and the
+        grammar its replies must match (forced tool calls, else response_format)."""
+        messages = req.message_dicts()
+        tools = req.tool_dicts()
+        grammar = req.response_format.grammar() if req.response_format is not None else None
+        if not tools and not any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            return self.engine.chat_ids(messages), None, grammar
+        forced = req.forced_tool()
+        check_tools(tools, forced)
+        tokenizer = self.engine.tokenizer
+        prompt = build_tool_prompt(messages, tools, forced, tokenizer.chat_template)
+        ids = self.engine.chat_ids(prompt.messages, tools=prompt.tools)
+        if prompt.reply_prefix:
+            ids += tokenizer.encode(prompt.reply_prefix)
+        parallel = req.parallel_tool_calls is not False
+        tool_grammar_spec = tool_grammar(tools, forced, parallel=parallel, fmt=prompt.fmt,
+                                         tags=tag_terms(tokenizer.encode, tokenizer.is_special))
+        mode = ToolMode(parallel, prompt.reply_prefix) if tools else None
+        return ids, mode, tool_grammar_spec or grammar
 
     # ------------------------------------------------------------ other routes
 

@@ -7,13 +7,21 @@ turns into a 400 with the OpenAI error JSON. Response structs use OpenAI's field
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from ..api_types import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, Usage
+from ..api_types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    GrammarSpec,
+    SamplingParams,
+    Usage,
+)
 from ..errors import BadInputError
 
 MAX_CHOICES = 16  # n per prompt
@@ -79,7 +87,8 @@ class _Sampling(_IgnoredOpenAIFields, kw_only=True):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         """The one mapping from the request schema onto the engine's SamplingParams."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -87,7 +96,7 @@ class _Sampling(_IgnoredOpenAIFields, kw_only=True):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop_tuple(), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=num_logprobs,
-            logit_bias=_bias_pairs(self.logit_bias or {}), min_tokens=self.min_tokens)
+            logit_bias=_bias_pairs(self.logit_bias or {}), min_tokens=self.min_tokens, grammar=grammar)
 
 
 class _Streamed(_Sampling, kw_only=True):
@@ -141,22 +150,90 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
-class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(
+
+class ToolCallIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+    reasoning_content: str | None = None  # assistant messages (not fed back)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(
             part.text for part in self.content)
-        return {"role": self.role, "content": text}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the chat template: role and text, plus tool calls / call id."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
-class ResponseFormat(Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
+class FunctionDef(Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (object)
+    strict: bool | None = None
+
+
+class ToolDef(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # always strict here: the grammar enforces the schema
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """json_object: any JSON object; json_schema: its schema (constrained decoding)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_schema", '{"type": "object"}', "response_format")
+        if self.json_schema is None:
+            raise BadInputError("response_format json_schema needs `json_schema`",
+                                param="response_format.json_schema")
+        schema = self.json_schema.schema if self.json_schema.schema is not None else {}
+        return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
 
 
 class ChatRequest(_Streamed, kw_only=True):
@@ -165,13 +242,34 @@ class ChatRequest(_Streamed, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any], Meta(max_length=0)] | None = None  # tool calling: not supported
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ToolDef], Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
+        for i, message in enumerate(self.messages):
+            if message.content is None and not message.tool_calls:
+                raise BadInputError("content is required (null only on assistant messages with "
+                                    "tool_calls)", param=f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise BadInputError("only assistant messages have tool_calls",
+                                    param=f"messages[{i}].tool_calls")
         return [message.as_dict() for message in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools in play (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            if self.tool_choice not in (None, "none", "auto"):
+                raise BadInputError("tool_choice needs tools", param="tool_choice")
+            return []
+        return [msgspec.to_builtins(tool) for tool in self.tools]
+
+    def forced_tool(self) -> str | None:
+        """None (the model decides), "required", or the name of the function to call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -271,16 +369,29 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(Struct):
-    content: str
-    role: str = "assistant"
+class FunctionOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    type: str  # "function"
+    function: FunctionOut
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    content: str | None
+    role: str  # "assistant" (required: omit_defaults would drop a default)
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
-    logprobs: ChatLogprobs | None
     finish_reason: str
+    logprobs: ChatLogprobs | None
 
 
 class ChatResponse(Struct):
@@ -293,9 +404,23 @@ class ChatResponse(Struct):
     usage: UsageOut
 
 
+class ChunkFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(Struct, omit_defaults=True):
+    index: int
+    function: ChunkFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class ChunkDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -357,7 +482,7 @@ def error_param(message: str) -> str | None:
     return path or None
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [message.as_dict() for message in messages]
 
 

@@ -27,14 +27,20 @@ from .schemas import (
     ChatChunkChoice,
     ChatResponse,
     ChunkDelta,
+    ChunkFunction,
+    ChunkToolCall,
     CompletionChoice,
     CompletionResponse,
     ErrorDetail,
     ErrorResponse,
+    FunctionOut,
+    ToolCallOut,
     UsageOut,
     chat_logprobs,
     completion_logprobs,
 )
+from .tool_parser import ToolCallParser
+from .tools import ToolMode
 
 log = logging.getLogger("tf_async.server")
 
@@ -70,6 +76,11 @@ class OutputFormat:
 
     def chunk(self, index: int, delta: Delta) -> msgspec.Struct | None:
         raise NotImplementedError
+
+    def chunks(self, index: int, delta: Delta) -> list[msgspec.Struct]:
+        """The SSE events of one delta of choice `index` (none for an empty delta)."""
+        chunk = self.chunk(index, delta)
+        return [] if chunk is None else [chunk]
 
     def usage_chunk(self, usage: UsageOut) -> msgspec.Struct:
         raise NotImplementedError
@@ -115,6 +126,12 @@ class CompletionFormat(OutputFormat):
 class ChatFormat(OutputFormat):
     id_prefix = "chatcmpl-"
 
+    def __init__(self, model: str, num_logprobs: int | None, decode_token: Callable[[int], str],
+                 fingerprint: str, tools: ToolMode | None = None):
+        super().__init__(model, num_logprobs, decode_token, fingerprint)
+        self.tools = tools
+        self._parsers: dict[int, ToolCallParser] = {}
+
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None):
         if self.num_logprobs is None or entries is None:
             return None
@@ -127,6 +144,27 @@ class ChatFormat(OutputFormat):
     def first_chunk(self, index: int) -> ChatChunk:
         return self._chunk([ChatChunkChoice(index, ChunkDelta(role="assistant", content=""))])
 
+    def chunks(self, index: int, delta: Delta) -> list[msgspec.Struct]:
+        if self.tools is None:
+            return super().chunks(index, delta)
+        parser = self._parser(index)
+        final = delta.finish_reason is not None
+        content, calls = parser.feed(delta.text, final)
+        out: list[msgspec.Struct] = []
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+        if content or logprobs is not None:
+            out.append(self._chunk([ChatChunkChoice(index, ChunkDelta(content=content), logprobs)]))
+        first = len(parser.calls) - len(calls)
+        for number, call in enumerate(calls, first):
+            opening = ChunkToolCall(number, ChunkFunction(call.name, ""), call.id, "function")
+            arguments = ChunkToolCall(number, ChunkFunction(arguments=call.arguments))
+            out += [self._chunk([ChatChunkChoice(index, ChunkDelta(tool_calls=[piece]))])
+                    for piece in (opening, arguments)]
+        if final:
+            reason = _finish_reason(delta.finish_reason, parser)
+            out.append(self._chunk([ChatChunkChoice(index, ChunkDelta(), None, reason)]))
+        return out
+
     def chunk(self, index: int, delta: Delta) -> ChatChunk | None:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return None
@@ -135,14 +173,35 @@ class ChatFormat(OutputFormat):
                                             self._logprobs(delta.token_ids, delta.logprobs),
                                             delta.finish_reason)])
 
+    def _parser(self, index: int) -> ToolCallParser:
+        assert self.tools is not None
+        if index not in self._parsers:
+            self._parsers[index] = ToolCallParser(parallel=self.tools.parallel,
+                                                  prefix=self.tools.reply_prefix)
+        return self._parsers[index]
+
     def usage_chunk(self, usage: UsageOut) -> ChatChunk:
         return self._chunk([], usage)
 
     def full(self, completions: list[Completion], usage: Usage) -> ChatResponse:
-        choices = [ChatChoice(i, AssistantMessage(c.text), self._logprobs(c.token_ids, c.logprobs),
-                              c.finish_reason) for i, c in enumerate(completions)]
+        choices = [ChatChoice(i, *self._message(i, c), self._logprobs(c.token_ids, c.logprobs))
+                   for i, c in enumerate(completions)]
         return ChatResponse(self.id, "chat.completion", self.created, self.model, self.fingerprint,
                             choices, UsageOut.of(usage))
+
+    def _message(self, index: int, completion: Completion) -> tuple[AssistantMessage, str]:
+        if self.tools is None:
+            return AssistantMessage(completion.text, "assistant"), completion.finish_reason
+        parser = self._parser(index)
+        content, _ = parser.feed(completion.text, final=True)
+        calls = [ToolCallOut(c.id, "function", FunctionOut(c.name, c.arguments)) for c in parser.calls]
+        message = AssistantMessage(content if content or not calls else None, "assistant", calls or None)
+        return message, _finish_reason(completion.finish_reason, parser)
+
+
+def _finish_reason(reason: str | None, parser: ToolCallParser) -> str:
+    """"tool_calls" when the reply ended by itself after calls (OpenAI's reason)."""
+    return "tool_calls" if parser.calls and reason == "stop" else (reason or "stop")
 
 
 async def respond(request: web.Request, choices: ChoiceStreams, fmt: OutputFormat,
@@ -203,8 +262,7 @@ async def _write_deltas(response: web.StreamResponse, firsts: list[Delta], choic
 async def _write_delta(response: web.StreamResponse, fmt: OutputFormat, tracker: RequestTracker,
                        index: int, delta: Delta) -> None:
     tracker.on_tokens(len(delta.token_ids))
-    chunk = fmt.chunk(index, delta)
-    if chunk is not None:
+    for chunk in fmt.chunks(index, delta):
         await response.write(sse_event(chunk))
 
 
