@@ -28,6 +28,7 @@ class FakeTokenizer:
     eos_token_ids = (EOS_ID,)
     vocab_size = 320
     add_bos = False
+    chat_template: str | None = None
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
@@ -141,6 +142,7 @@ class FakeEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def chat_ids(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:
+        """Tools and template variables are ignored: the fake template knows none."""
         if not messages:
             raise BadInputError("messages must not be empty", param="messages")
         return self.tokenizer.encode_chat(messages)

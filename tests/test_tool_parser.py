@@ -96,4 +96,41 @@ def test_generic_prompt_when_the_template_lacks_tools():
     native = build_tool_prompt(messages, [WEATHER], "get_weather", "{% if tools %}{% endif %}")
     assert native.tools == [WEATHER] and native.messages[1]["tool_calls"][0]["function"]["arguments"] == {
         "city": "Paris"}
-    assert native.reply_prefix.endswith('"arguments": ')
+    assert native.reply_prefix == "" and native.fmt == "hermes"  # forced by a grammar instead
+    xml = build_tool_prompt(messages, [WEATHER], "get_weather", "{{ tools }}<function=")
+    assert xml.reply_prefix == "<tool_call>\n<function=get_weather>\n"
+
+
+# (reply, starts thinking, expected reasoning, expected content)
+THINK_CASES = {
+    "opened by the reply": ("<think>\nLet me see.\n</think>\n\nParis.", False, "\nLet me see.\n", "Paris."),
+    "opened by the prompt": ("hmm, 2+2</think>4", True, "hmm, 2+2", "4"),
+    "no thinking": ("Just text <thin", False, "", "Just text <thin"),
+    "cut inside thinking": ("<think>still going </thi", False, "still going </thi", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(THINK_CASES))
+def test_think_split_whole_and_in_pieces(case):
+    from tf_async.server.reasoning import ThinkParser
+
+    text, starts, reasoning, content = THINK_CASES[case]
+    for piece in (len(text), 1, 2, 5):
+        parser = ThinkParser(starts_thinking=starts)
+        got = ["", ""]
+        pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+        for i, part in enumerate(pieces):
+            r, c = parser.feed(part, final=i == len(pieces) - 1)
+            got[0] += r
+            got[1] += c
+        assert got == [reasoning, content], piece
+
+
+def test_reasoning_then_tool_calls():
+    from tf_async.server.reasoning import ReplyMode, ReplyParser
+    from tf_async.server.tools import ToolMode
+
+    parser = ReplyParser(ReplyMode(True, False, ToolMode(True, "")))
+    reasoning, content, calls = parser.feed(
+        '<think>need weather</think>\n<tool_call>{"name": "w", "arguments": {}}</tool_call>', True)
+    assert (reasoning, content, [c.name for c in calls]) == ("need weather", "", ["w"])

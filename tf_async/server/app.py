@@ -25,6 +25,7 @@ from ..api_types import GrammarSpec, SamplingParams
 from ..errors import BadInputError, QueueFullError
 from .choices import ChoiceStreams
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .reasoning import ReplyMode, reply_mode
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -202,7 +203,7 @@ class Server:
             req = await self.read_json(request, ChatRequest)
             model = self.served_name(req.model)
             include_usage = req.include_usage()
-            ids, tool_mode, grammar = self.chat_prompt(req)
+            ids, replies, grammar = self.chat_prompt(req)
             if grammar is not None:  # a bad schema is named before any length check
                 self.engine.check_grammar(grammar)
             requested = req.requested_max_tokens()
@@ -211,31 +212,39 @@ class Server:
             check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
             num_logprobs = req.num_logprobs()
             params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
-            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint, tool_mode)
+            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint, replies)
             choices = self.choice_streams([ids], params, req.n)
         return await respond(request, choices, fmt, tracker, stream=req.stream,
                              include_usage=include_usage)
 
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ToolMode | None, GrammarSpec | None]:
-        """Prompt ids of a chat request, how its replies are read for tool calls, and the
-        grammar its replies must match (forced tool calls, else response_format)."""
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ReplyMode | None, GrammarSpec | None]:
+        """Prompt ids of a chat request, how its replies are read (reasoning, tool calls),
+        and the grammar they must match (forced tool calls, else response_format)."""
         messages = req.message_dicts()
         tools = req.tool_dicts()
         grammar = req.response_format.grammar() if req.response_format is not None else None
-        if not tools and not any(m["role"] == "tool" or "tool_calls" in m for m in messages):
-            return self.engine.chat_ids(messages), None, grammar
-        forced = req.forced_tool()
-        check_tools(tools, forced)
+        forced = req.forced_tool() if tools else None
+        template_kwargs = req.template_kwargs()
+        if grammar is not None or forced is not None:  # a constrained reply has no thinking
+            template_kwargs.setdefault("enable_thinking", False)
         tokenizer = self.engine.tokenizer
+        if not tools and not _has_tool_turns(messages):
+            ids = self.engine.chat_ids(messages, template_kwargs=template_kwargs)
+            return ids, self._reply_mode(ids, None), grammar
+        check_tools(tools, forced)
         prompt = build_tool_prompt(messages, tools, forced, tokenizer.chat_template)
-        ids = self.engine.chat_ids(prompt.messages, tools=prompt.tools)
+        ids = self.engine.chat_ids(prompt.messages, tools=prompt.tools, template_kwargs=template_kwargs)
         if prompt.reply_prefix:
             ids += tokenizer.encode(prompt.reply_prefix)
         parallel = req.parallel_tool_calls is not False
         tool_grammar_spec = tool_grammar(tools, forced, parallel=parallel, fmt=prompt.fmt,
                                          tags=tag_terms(tokenizer.encode, tokenizer.is_special))
         mode = ToolMode(parallel, prompt.reply_prefix) if tools else None
-        return ids, mode, tool_grammar_spec or grammar
+        return ids, self._reply_mode(ids, mode), tool_grammar_spec or grammar
+
+    def _reply_mode(self, ids: list[int], tools: ToolMode | None) -> ReplyMode | None:
+        tokenizer = self.engine.tokenizer
+        return reply_mode(tokenizer.chat_template, tokenizer.decode(ids[-16:]), tools)
 
     # ------------------------------------------------------------ other routes
 
@@ -287,6 +296,10 @@ class Server:
 
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
+
+
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
 def _fingerprint(model_name: str) -> str:

@@ -246,6 +246,21 @@ class ChatRequest(_Streamed, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template: chat_template_kwargs, and reasoning_effort (as
+        itself, and "none" as enable_thinking false unless that is given)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+        if reserved:
+            raise BadInputError(f"chat_template_kwargs may not set {sorted(reserved)[0]}",
+                                param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     def message_dicts(self) -> list[dict[str, Any]]:
         for i, message in enumerate(self.messages):

@@ -20,6 +20,7 @@ from aiohttp import web
 from ..api_types import Completion, Delta, Usage
 from .choices import ChoiceStreams
 from .metrics import RequestTracker
+from .reasoning import ReplyMode, ReplyParser
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -39,8 +40,6 @@ from .schemas import (
     chat_logprobs,
     completion_logprobs,
 )
-from .tool_parser import ToolCallParser
-from .tools import ToolMode
 
 log = logging.getLogger("tf_async.server")
 
@@ -127,10 +126,10 @@ class ChatFormat(OutputFormat):
     id_prefix = "chatcmpl-"
 
     def __init__(self, model: str, num_logprobs: int | None, decode_token: Callable[[int], str],
-                 fingerprint: str, tools: ToolMode | None = None):
+                 fingerprint: str, replies: ReplyMode | None = None):
         super().__init__(model, num_logprobs, decode_token, fingerprint)
-        self.tools = tools
-        self._parsers: dict[int, ToolCallParser] = {}
+        self.replies = replies
+        self._parsers: dict[int, ReplyParser] = {}
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None):
         if self.num_logprobs is None or entries is None:
@@ -145,15 +144,16 @@ class ChatFormat(OutputFormat):
         return self._chunk([ChatChunkChoice(index, ChunkDelta(role="assistant", content=""))])
 
     def chunks(self, index: int, delta: Delta) -> list[msgspec.Struct]:
-        if self.tools is None:
+        if self.replies is None:
             return super().chunks(index, delta)
         parser = self._parser(index)
         final = delta.finish_reason is not None
-        content, calls = parser.feed(delta.text, final)
+        reasoning, content, calls = parser.feed(delta.text, final)
         out: list[msgspec.Struct] = []
         logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        if content or logprobs is not None:
-            out.append(self._chunk([ChatChunkChoice(index, ChunkDelta(content=content), logprobs)]))
+        if content or reasoning or logprobs is not None:
+            piece = ChunkDelta(content=content or None, reasoning_content=reasoning or None)
+            out.append(self._chunk([ChatChunkChoice(index, piece, logprobs)]))
         first = len(parser.calls) - len(calls)
         for number, call in enumerate(calls, first):
             opening = ChunkToolCall(number, ChunkFunction(call.name, ""), call.id, "function")
@@ -173,11 +173,10 @@ class ChatFormat(OutputFormat):
                                             self._logprobs(delta.token_ids, delta.logprobs),
                                             delta.finish_reason)])
 
-    def _parser(self, index: int) -> ToolCallParser:
-        assert self.tools is not None
+    def _parser(self, index: int) -> ReplyParser:
+        assert self.replies is not None
         if index not in self._parsers:
-            self._parsers[index] = ToolCallParser(parallel=self.tools.parallel,
-                                                  prefix=self.tools.reply_prefix)
+            self._parsers[index] = ReplyParser(self.replies)
         return self._parsers[index]
 
     def usage_chunk(self, usage: UsageOut) -> ChatChunk:
@@ -190,16 +189,17 @@ class ChatFormat(OutputFormat):
                             choices, UsageOut.of(usage))
 
     def _message(self, index: int, completion: Completion) -> tuple[AssistantMessage, str]:
-        if self.tools is None:
+        if self.replies is None:
             return AssistantMessage(completion.text, "assistant"), completion.finish_reason
         parser = self._parser(index)
-        content, _ = parser.feed(completion.text, final=True)
+        _, content, _ = parser.feed(completion.text, final=True)
         calls = [ToolCallOut(c.id, "function", FunctionOut(c.name, c.arguments)) for c in parser.calls]
-        message = AssistantMessage(content if content or not calls else None, "assistant", calls or None)
+        message = AssistantMessage(content if content or not calls else None, "assistant",
+                                   calls or None, parser.reasoning or None)
         return message, _finish_reason(completion.finish_reason, parser)
 
 
-def _finish_reason(reason: str | None, parser: ToolCallParser) -> str:
+def _finish_reason(reason: str | None, parser: ReplyParser) -> str:
     """"tool_calls" when the reply ended by itself after calls (OpenAI's reason)."""
     return "tool_calls" if parser.calls and reason == "stop" else (reason or "stop")
 

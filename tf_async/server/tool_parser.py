@@ -70,7 +70,7 @@ class ToolCallParser:
             self._pending = self._pending[start + len(TOOL_OPEN):]
             self._in_block = True
             return True
-        keep = 0 if final else _tag_prefix_len(self._pending, TOOL_OPEN)
+        keep = 0 if final else tag_prefix_len(self._pending, TOOL_OPEN)
         parts.append(self._pending[: len(self._pending) - keep])
         self._pending = self._pending[len(self._pending) - keep:]
         return False
@@ -81,7 +81,7 @@ class ToolCallParser:
             return False
         body = self._pending if end < 0 else self._pending[:end]
         if end < 0:  # cut short: a partly written closing tag is not part of the call
-            body = body[: len(body) - _tag_prefix_len(body, TOOL_CLOSE)]
+            body = body[: len(body) - tag_prefix_len(body, TOOL_CLOSE)]
         self._pending = "" if end < 0 else self._pending[end + len(TOOL_CLOSE):]
         self._in_block = False
         call = parse_block(body)
@@ -104,7 +104,7 @@ class ToolCallParser:
         return shown
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):

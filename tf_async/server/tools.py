@@ -181,6 +181,8 @@ def _generic_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
             out.append({"role": "assistant", "content": "\n".join([message["content"] or "", *blocks]).strip()})
         else:
             out.append({"role": message["role"], "content": message["content"] or ""})
+    if not tools:
+        return out
     if out and out[0]["role"] in ("system", "developer"):
         out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}".strip()}
     else:
