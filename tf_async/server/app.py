@@ -26,6 +26,7 @@ from ..errors import BadInputError, QueueFullError
 from .choices import ChoiceStreams
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .reasoning import ReplyMode, reply_mode
+from .responses import ResponseBuilder, ResponsesRequest, respond_responses, to_chat_request
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -203,19 +204,33 @@ class Server:
             req = await self.read_json(request, ChatRequest)
             model = self.served_name(req.model)
             include_usage = req.include_usage()
-            ids, replies, grammar = self.chat_prompt(req)
-            if grammar is not None:  # a bad schema is named before any length check
-                self.engine.check_grammar(grammar)
-            requested = req.requested_max_tokens()
-            ctx = int(self.engine.ctx)
-            max_tokens = self.max_tokens_for(requested, max(1, ctx - len(ids)))
-            check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
-            num_logprobs = req.num_logprobs()
-            params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
+            choices, replies, num_logprobs = self.chat_choices(req)
             fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint, replies)
-            choices = self.choice_streams([ids], params, req.n)
         return await respond(request, choices, fmt, tracker, stream=req.stream,
                              include_usage=include_usage)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        tracker = self.metrics.tracker("responses")
+        with tracker.guard():
+            req = await self.read_json(request, ResponsesRequest)
+            model = self.served_name(req.model)
+            choices, replies, _ = self.chat_choices(to_chat_request(req))
+            builder = ResponseBuilder(model, req, replies)
+        return await respond_responses(request, choices, builder, tracker, stream=req.stream)
+
+    def chat_choices(self, req: ChatRequest) -> tuple[ChoiceStreams, ReplyMode | None, int | None]:
+        """The engine streams of a chat request's choices, how its replies are read, and
+        the number of log-probs each token carries."""
+        ids, replies, grammar = self.chat_prompt(req)
+        if grammar is not None:  # a bad schema is named before any length check
+            self.engine.check_grammar(grammar)
+        requested = req.requested_max_tokens()
+        ctx = int(self.engine.ctx)
+        max_tokens = self.max_tokens_for(requested, max(1, ctx - len(ids)))
+        check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
+        num_logprobs = req.num_logprobs()
+        params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
+        return self.choice_streams([ids], params, req.n), replies, num_logprobs
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ReplyMode | None, GrammarSpec | None]:
         """Prompt ids of a chat request, how its replies are read (reasoning, tool calls),
@@ -382,6 +397,7 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
                                       model_name=model_name, max_body_bytes=max_body_bytes)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/v1/responses", server.responses)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)

@@ -47,7 +47,7 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
 
 
-class _IgnoredOpenAIFields(Struct, forbid_unknown_fields=True, kw_only=True):
+class IgnoredOpenAIFields(Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenAI request fields that change nothing here: accepted and ignored (docs/OPENAI.md
     lists them). Fields OpenAI does not define still get a 400."""
 
@@ -61,7 +61,7 @@ class _IgnoredOpenAIFields(Struct, forbid_unknown_fields=True, kw_only=True):
     modalities: list[Literal["text"]] | None = None
 
 
-class _Sampling(_IgnoredOpenAIFields, kw_only=True):
+class _Sampling(IgnoredOpenAIFields, kw_only=True):
     """Fields shared by completions, chat completions and websocket chats (wire names and
     OpenAI's ranges; `sampling_params` maps them onto the engine's SamplingParams)."""
 
