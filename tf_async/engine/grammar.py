@@ -14,7 +14,7 @@ verified under the same mask the plain row would get (drafted == plain).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
@@ -67,7 +67,7 @@ def grammar_text(spec: GrammarSpec) -> str:
     try:
         if spec.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                spec.source, defaults=JSON_STYLE)
+                json.dumps(bounded_numbers(json.loads(spec.source))), defaults=JSON_STYLE)
         if spec.kind == "lark":
             return llguidance.LLMatcher.grammar_from_lark(spec.source)
         return llguidance.LLMatcher.grammar_from_regex(spec.source)
@@ -108,5 +108,25 @@ class TokenMask:
         return bool(self.matcher.is_accepting())
 
 
-def json_schema_spec(schema: dict | bool, param: str) -> GrammarSpec:
-    return GrammarSpec("json_schema", json.dumps(schema), param)
+NUMBER_BOUNDS = {"minimum": -1e15, "maximum": 1e15}
+DECIMALS = {"multipleOf": 1e-6}
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """The schema with numbers kept to |x| <= 1e15 and 6 decimals where it sets no bounds or
+    step of its own: every value still matches the schema, and a small model can no longer
+    write digits forever (its usual failure under a JSON grammar)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded_numbers(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "number" in kinds or "integer" in kinds:
+        for key, value in NUMBER_BOUNDS.items():
+            if key not in out and f"exclusive{key.title()}" not in out:
+                out[key] = value
+    if "number" in kinds and "multipleOf" not in out:
+        out |= DECIMALS
+    return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api_types import GrammarSpec
-from ..engine.grammar import JSON_STYLE
+from ..engine.grammar import JSON_STYLE, bounded_numbers
 from ..errors import BadInputError
 
 TOOL_OPEN = "<tool_call>"
@@ -109,8 +109,8 @@ def tool_grammar(tools: list[dict[str, Any]], choice: str | None, *, parallel: b
     if choice != "required":
         tools = [t for t in tools if t["function"]["name"] == choice]
     key = "parameters" if fmt == "json" else "arguments"
-    schema = json.dumps({"anyOf": [_call_schema(t["function"], key) for t in tools],
-                         "x-guidance": JSON_STYLE})
+    calls = bounded_numbers([_call_schema(t["function"], key) for t in tools])
+    schema = json.dumps({"anyOf": calls, "x-guidance": JSON_STYLE})
     if fmt == "json":
         return GrammarSpec("lark", f"start: %json {schema}", "tools")
     call = f'call: {tags[0]} "\\n" %json {schema} "\\n" {tags[1]}'
