@@ -6,6 +6,7 @@
 #            (no default model)
 #   default  pytest -m gpu tests/test_gpu_engine.py -k default_model (needs the GGUF, below)
 #   qwen35   pytest -m gpu tests/test_gpu_qwen35.py
+#   baselines pytest -m gpu tests/test_gpu_baselines.py (outputs == the recorded GPU baselines)
 #   ops      benchmarks/bench_decode_ops.py
 #   variants benchmarks/bench_matmul_variants.py --rows 1 --kinds q4
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
@@ -52,6 +53,7 @@ for stage in "$@"; do
               -k "not default_model" ;;
     default) run default 150 "${PYTEST[@]}" tests/test_gpu_engine.py -k default_model ;;
     qwen35) run qwen35 400 "${PYTEST[@]}" tests/test_gpu_qwen35.py ;;
+    baselines) run baselines 300 "${PYTEST[@]}" tests/test_gpu_baselines.py ;;
     ops) run ops 90 python3 benchmarks/bench_decode_ops.py ;;
     variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;

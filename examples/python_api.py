@@ -1,4 +1,4 @@
-"""The async Python API without a server: stream, complete, chat, cancel by breaking out.
+"""The async Python API without a server: stream, complete, chat, stop a stream early.
 
     python examples/python_api.py [--model PATH]
 """
@@ -24,10 +24,14 @@ async def main_async(model: str | None) -> None:
         for answer in answers:
             print(repr(answer.text), answer.finish_reason, answer.usage)
 
-        async for delta in engine.chat(messages, max_tokens=200):
-            if len(delta.token_ids) and delta.finish_reason is None:
-                break  # leaving the loop cancels the request; its lane is released
-        print(engine.stats())
+        # Stop early: leaving the `async with` block cancels the request and returns once its
+        # lane and pages are released (a bare `break` releases them a round later).
+        async with engine.chat(messages, max_tokens=200) as deltas:
+            async for delta in deltas:
+                if delta.token_ids:
+                    break
+        stats = engine.stats()
+        print({key: stats[key] for key in ("lanes_in_use", "running", "pages_in_use")})
 
 
 def main() -> None:

@@ -231,7 +231,8 @@ async def test_a_failed_step_isolates_with_device_choices_and_others_stay_unchan
     """A fault in one request's prompt step: the runner re-runs the round's requests one by
     one (Runner._isolate), and those still choose on the device; only that request fails."""
     kwargs = [dict(max_tokens=12, seed=40 + i, **SEEDED) for i in range(4)]
-    async with make_engine(tiny_llama) as eng:
+    # no prefix cache: the second run of a prompt must start at position 0 to meet the fault
+    async with make_engine(tiny_llama, prefix_cache=False) as eng:
         want = [c.token_ids for c in await complete_all(eng, kwargs)]
         bad_ids = eng.tokenizer.encode(PROMPTS[2])
 

@@ -66,7 +66,7 @@ async def test_harmless_openai_fields_are_ignored(base_url):
 async def test_fingerprint_and_cached_tokens_in_every_shape(client):
     chat = await client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3)
     assert chat.system_fingerprint and chat.system_fingerprint.startswith("fp_")
-    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0  # the prefix cache's share
     comp = await client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3)
     assert comp.system_fingerprint == chat.system_fingerprint
     stream = await client.chat.completions.create(
@@ -74,7 +74,7 @@ async def test_fingerprint_and_cached_tokens_in_every_shape(client):
         stream_options={"include_usage": True})
     chunks = [chunk async for chunk in stream]
     assert all(chunk.system_fingerprint == chat.system_fingerprint for chunk in chunks)
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

@@ -47,7 +47,7 @@ async def test_text_input_with_instructions_is_the_chat_reply(engine, client):
     assert resp.status == ("incomplete" if chat.finish_reason == "length" else "completed")
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
     assert resp.usage.output_tokens == chat.usage.completion_tokens
-    assert resp.usage.input_tokens_details.cached_tokens == 0
+    assert 0 <= resp.usage.input_tokens_details.cached_tokens <= resp.usage.input_tokens
 
 
 async def test_message_items_and_function_call_round_trip(client):

@@ -15,7 +15,7 @@ from .engine.grammar import Grammars
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
-from .errors import BadInputError, QueueFullError, RequestFailedError
+from .errors import BadInputError, QueueFullError, RequestFailedError, ShuttingDownError
 from .models.checkpoint import Checkpoint
 
 SWITCH_INTERVAL_S = 0.0005
@@ -39,16 +39,33 @@ def check_context(num_prompt_tokens: int, max_tokens: int, ctx: int, *, max_toke
 
 
 class RequestStream:
-    """Async iterator of Deltas for one request. Closing it (or breaking out of the loop, or
-    cancelling the task awaiting it) cancels the request in the engine."""
+    """Async iterator of Deltas for one request, and an async context manager.
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+    The request is submitted on the first `__anext__`. To stop early, leave an `async with`
+    block or await `aclose()`: both cancel the request and return once the engine has
+    released its lane and pages, so `engine.stats()` read right after shows them free::
+
+        async with engine.stream(prompt) as deltas:
+            async for delta in deltas:
+                if done_enough(delta):
+                    break  # the lane is free when the block ends
+
+    A bare `async for ... break` (no `async with`, no `aclose()`) or a cancelled task
+    reading the stream also cancels the request, but the lane is released in the
+    engine's next round, after the loop has moved on.
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None):
         self._engine = engine
         self.prompt_ids = prompt_ids
         self.params = params
+        self.cache_salt = cache_salt
         self.request_id = -1
         self._queue: asyncio.Queue[TokenEvent] | None = None
-        self._done = False
+        self._done = False  # no more deltas for the caller
+        self._engine_done = False  # the engine's last event was read: its lane is released
+        self._cancel_sent = False
         self._detok = engine.tokenizer.stream()
         self._stops = StopStrings(params.stop)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.eos_ids))
@@ -57,50 +74,75 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def __anext__(self) -> Delta:
         if self._done:
             raise StopAsyncIteration
         if self._queue is None:
-            self.request_id, self._queue = self._engine._submit(self.prompt_ids, self.params)
+            self.request_id, self._queue = self._engine._submit(self.prompt_ids, self.params,
+                                                                self.cache_salt)
         try:
             event = await self._queue.get()
         except BaseException:
-            await self.aclose()
+            self._cancel()  # the reader was cancelled: stop the request, do not wait here
             raise
         return self._delta(event)
 
     def _delta(self, event: TokenEvent) -> Delta:
+        final = event.finish_reason is not None or event.error is not None
+        self._engine_done = final
         if event.error is not None:
-            self._finish()
+            self._done = True
             raise RequestFailedError(event.error)
         ids = list(event.token_ids)
         self.num_generated += len(ids)
         text_ids = ids[:-1] if event.finish_reason == "stop" and ids and ids[-1] in self._stop_ids else ids
-        final = event.finish_reason is not None
         text = self._detok.push(text_ids) + (self._detok.flush() if final else "")
         text, hit = self._stops.feed(text, final=final)
         reason = "stop" if hit else event.finish_reason
         if reason is None:
             return Delta(text, ids, None, list(event.logprobs) if event.logprobs else None)
-        self._finish()
-        usage = Usage(len(self.prompt_ids), self.num_generated, event.drafted_tokens, event.accepted_tokens)
+        self._done = True
+        if not final:  # a stop string ended it before the engine did
+            self._cancel()
+        usage = Usage(len(self.prompt_ids), self.num_generated, event.drafted_tokens,
+                      event.accepted_tokens, event.cached_tokens)
         return Delta(text, ids, reason, list(event.logprobs) if event.logprobs else None, usage)
 
-    def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine._forget(self.request_id, cancel=False)
+    def _cancel(self) -> None:
+        """Ask the engine to stop this request (acted on between rounds); returns at once."""
+        if self.request_id >= 0 and not self._cancel_sent:
+            self._cancel_sent = True
+            self._engine._cancel(self.request_id)
 
     async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            if self.request_id >= 0:
-                self._engine._forget(self.request_id, cancel=True)
+        """Cancel the request and wait until the engine has released its lane and pages.
+        A no-op on a stream that finished, was closed, or never started."""
+        self._done = True
+        if self._queue is None or self._engine_done:
+            return
+        self._cancel()
+        try:
+            if not self._engine.closed:
+                await self._wait_for_last_event(self._queue)
+        finally:
+            self._engine_done = True
+
+    async def _wait_for_last_event(self, queue: asyncio.Queue[TokenEvent]) -> None:
+        # The engine publishes a request's last event after releasing its lane.
+        while True:
+            event = await queue.get()
+            if event.finish_reason is not None or event.error is not None:
+                return
 
     def __del__(self) -> None:
-        if not self._done and self.request_id >= 0:
-            self._done = True
-            self._engine._forget(self.request_id, cancel=True)
+        if not self._engine_done and self._queue is not None:
+            self._cancel()
 
 
 class Engine:
@@ -110,20 +152,25 @@ class Engine:
                  ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
                  kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
-                 cuda_graphs: bool = True, decode_steps: int = 1):
+                 cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True):
         if kv_pages is None and os.environ.get("TF_KV_PAGES"):
             kv_pages = int(os.environ["TF_KV_PAGES"])
         self.options: dict[str, Any] = dict(
             model=model, device=device, parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, paging=paging,
             kv_pages=kv_pages, step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens,
-            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps)
+            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps,
+            prefix_cache=prefix_cache)
         self.max_queue = max_queue
         self.ctx = ctx
         self.parts: EngineParts | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}
+        self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}  # requests the engine holds
         self._ids = itertools.count(1)
         self._grammar_compiler: Grammars | None = None
+        self.closed = False
+        self._refusal: str | None = None  # set by refuse_new(): why new requests fail
+        self._idle = asyncio.Event()  # set whenever the engine holds no request
+        self._idle.set()
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Engine:
@@ -137,8 +184,9 @@ class Engine:
         return self
 
     async def close(self) -> None:
-        if self.parts is not None:
+        if self.parts is not None and not self.closed:
             await asyncio.to_thread(self.parts.core.shutdown)
+            self.closed = True
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -165,15 +213,18 @@ class Engine:
         return self.parts
 
     # ---- requests -----------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               **kwargs: Any) -> RequestStream:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               cache_salt: str | None = None, **kwargs: Any) -> RequestStream:
         """Stream a completion of `prompt`: pass `params`, or the sampling keyword arguments
-        (SamplingParams.of), not both."""
-        return RequestStream(self, self.prompt_ids(prompt), self._params(params, kwargs))
+        (SamplingParams.of), not both. `cache_salt`: streams share cached prompt pages only
+        with streams of the same salt."""
+        return RequestStream(self, self.prompt_ids(prompt), self._params(params, kwargs),
+                             _salt(cache_salt))
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-             **kwargs: Any) -> RequestStream:
-        return RequestStream(self, self.chat_ids(messages), self._params(params, kwargs))
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             cache_salt: str | None = None, **kwargs: Any) -> RequestStream:
+        return RequestStream(self, self.chat_ids(messages), self._params(params, kwargs),
+                             _salt(cache_salt))
 
     def chat_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -195,6 +246,28 @@ class Engine:
 
     def lanes(self) -> list[dict[str, object]]:
         return list(self._parts.core.lane_snapshot)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted to the engine whose last event has not come back yet."""
+        return len(self._queues)
+
+    def refuse_new(self, reason: str) -> None:
+        """From now on, new requests fail with ShuttingDownError(reason); running ones go on."""
+        self._refusal = reason
+
+    async def wait_idle(self) -> None:
+        """Return once the engine holds no request (every lane and page released)."""
+        while self._queues:
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def cancel_all(self) -> None:
+        """Cancel every request the engine holds; return once their lanes are released."""
+        if self.parts is not None and not self.closed:
+            for request_id in list(self._queues):
+                self.parts.core.cancel(request_id)
+            await self.wait_idle()
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The ids a completion of `prompt` starts from (text encoded, ids checked)."""
@@ -224,24 +297,28 @@ class Engine:
         _check(not kwargs, "pass either params or sampling keyword arguments, not both", "params")
         return params
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue[TokenEvent]]:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+                ) -> tuple[int, asyncio.Queue[TokenEvent]]:
         parts = self._parts
+        if self._refusal is not None:
+            raise ShuttingDownError(self._refusal)
         check_context(len(prompt_ids), params.max_tokens, self.ctx, max_tokens_sent=True)
         vocab = parts.vocab_size
         _check(all(t < vocab for t, _ in params.logit_bias), f"logit_bias token ids must be below {vocab}",
                "logit_bias")
+        mask = self._grammars.mask_for(params.grammar) if params.grammar is not None else None
         if len(self._queues) >= parts.num_lanes + self.max_queue:
             raise QueueFullError(f"request queue is full ({self.max_queue} waiting)")
         request_id = next(self._ids)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request_id] = queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        mask = self._grammars.mask_for(params.grammar) if params.grammar is not None else None
-        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids, mask))
+        parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids,
+                                        cache_salt, mask))
         return request_id, queue
 
-    def _forget(self, request_id: int, *, cancel: bool) -> None:
-        if self._queues.pop(request_id, None) is not None and cancel and self.parts is not None:
+    def _cancel(self, request_id: int) -> None:
+        if request_id in self._queues and self.parts is not None:
             self.parts.core.cancel(request_id)
 
     def _publish(self, events: list[TokenEvent]) -> None:
@@ -255,9 +332,18 @@ class Engine:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
-            queue = self._queues.get(event.request_id)
+            last = event.finish_reason is not None or event.error is not None
+            queue = self._queues.pop(event.request_id, None) if last else self._queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+        if not self._queues:
+            self._idle.set()
+
+
+def _salt(cache_salt: object) -> str | None:
+    _check(cache_salt is None or (isinstance(cache_salt, str) and 0 < len(cache_salt) <= 256),
+           "cache_salt must be a non-empty string of at most 256 characters", "cache_salt")
+    return cache_salt  # type: ignore[return-value]
 
 
 async def _collect(stream: RequestStream) -> Completion:
@@ -265,11 +351,12 @@ async def _collect(stream: RequestStream) -> Completion:
     ids: list[int] = []
     logprobs: list[dict[int, float]] = []
     last: Delta | None = None
-    async for delta in stream:
-        texts.append(delta.text)
-        ids.extend(delta.token_ids)
-        logprobs.extend(delta.logprobs or [])
-        last = delta
+    async with stream:  # a cancelled caller returns once the lane is released
+        async for delta in stream:
+            texts.append(delta.text)
+            ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs or [])
+            last = delta
     assert last is not None and last.finish_reason is not None
     return Completion("".join(texts), ids, last.finish_reason,
                       logprobs if stream.params.logprobs is not None else None,

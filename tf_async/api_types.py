@@ -141,7 +141,7 @@ class Usage:
     completion_tokens: int = 0
     drafted_tokens: int = 0  # extension: tokens proposed by the drafter
     accepted_tokens: int = 0  # extension: drafted tokens accepted by verification
-    cached_tokens: int = 0  # prompt tokens read from a prefix cache (none yet: always 0)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:

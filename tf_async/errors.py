@@ -30,5 +30,9 @@ class QueueFullError(TfAsyncError):
     """The bounded request queue is full (HTTP 429)."""
 
 
+class ShuttingDownError(QueueFullError):
+    """The server is draining before it stops: no new requests (HTTP 429, retry elsewhere)."""
+
+
 class RequestFailedError(TfAsyncError):
     """A request failed inside the engine (a step raised); other streams go on."""

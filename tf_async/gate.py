@@ -142,9 +142,14 @@ def format_table(rows: list[GateRow]) -> str:
 
 
 def main_gate(args: Any) -> int:
+    if args.record or args.against:
+        from .baseline_cli import main_baseline
+
+        return main_baseline(args)
     t0 = time.perf_counter()
+    drafter = None if args.drafter in (None, "none") else args.drafter
     rows, _ = asyncio.run(run_gates(args.model, device=args.device, kv_dtype=args.kv_dtype,
-                                    max_tokens=args.max_tokens, drafter=args.drafter,
+                                    max_tokens=args.max_tokens, drafter=drafter,
                                     draft_tokens=args.draft_tokens,
                                     cuda_graphs=args.cuda_graphs))
     print(format_table(rows))

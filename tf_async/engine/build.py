@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..backend.base import Ops
 from ..backend.select import make_ops
@@ -16,6 +19,7 @@ from ..models.qwen35 import make_decoder
 from .core import EngineCore
 from .lanes import Lanes
 from .pages import Runs, pages_for_rows
+from .prefix import StateSlots
 from .runner import KV_DTYPES, Arena, Runner
 from .sched import Scheduler
 from .sequence import TokenEvent
@@ -75,14 +79,20 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
     per_lane = pages_for_rows(options["ctx"], options["page_size"])
     num_pages = options["kv_pages"] or per_lane * num_lanes
+    recurrent = getattr(decoder, "states", None) is not None
     runs = Runs(paging=options["paging"], num_lanes=num_lanes, pages_per_lane=per_lane,
-                page_size=options["page_size"], num_pages=num_pages)
+                page_size=options["page_size"], num_pages=num_pages,
+                prefix_cache=_prefix_cache_applies(options, recurrent))
+    kv_scales = kv_scales_for(decoder, ckpt, options["kv_dtype"])
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options["page_size"],
-                  kv_dtype=options["kv_dtype"], kv_scales=kv_scales_for(decoder, ckpt, options["kv_dtype"]))
+                  kv_dtype=options["kv_dtype"], kv_scales=kv_scales)
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options["step_tokens"], ctx=options["ctx"],
-                          recurrent=getattr(decoder, "states", None) is not None,
-                          decode_steps=options.get("decode_steps", 1))
+                          recurrent=recurrent, decode_steps=options.get("decode_steps", 1),
+                          cache_identity=kv_identity(ckpt, options["kv_dtype"], kv_scales))
+    if recurrent and runs.cache is not None:
+        decoder.states.add_prefix_slots(num_lanes)  # type: ignore[attr-defined]
+        scheduler.state_slots = StateSlots(num_lanes)
     runner = Runner(_maybe_graphs(decoder, options), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.get("drafter"):
@@ -93,6 +103,26 @@ def build_engine(options: dict[str, Any], publish: Callable[[list[TokenEvent]], 
     eos = ckpt.config.eos_token_ids or tuple(ckpt.tokenizer.eos_token_ids)
     return EngineParts(ckpt, ops, decoder, arena, lanes, scheduler, runner, core, name,
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
+
+
+def _prefix_cache_applies(options: dict[str, Any], recurrent: bool) -> bool:
+    """Prefix reuse needs paged KV; hybrids resume from recurrent states kept at page
+    boundaries (one slot a lane). Not with ring drafters (draft model, MTP: their rings follow
+    every row of the target): those recompute their prompts as before."""
+    drafter = options.get("drafter") or ""
+    ring_drafter = drafter == "mtp" or drafter.startswith("draft:")
+    return bool(options.get("prefix_cache", True)) and options["paging"] and not ring_drafter
+
+
+def kv_identity(ckpt: Checkpoint, kv_dtype: str, kv_scales: Any) -> bytes:
+    """Everything besides the tokens that decides a page's KV: the model, the KV dtype and its
+    scales (the prefix cache's root key hashes it)."""
+    digest = hashlib.sha256(repr(ckpt.config).encode())
+    digest.update(repr(sorted(ckpt.meta.items(), key=lambda kv: kv[0])).encode())
+    digest.update(kv_dtype.encode())
+    if kv_scales is not None:
+        digest.update(np.asarray(kv_scales, np.float32).tobytes())
+    return digest.digest()
 
 
 def _maybe_graphs(decoder: Decoder, options: dict[str, Any]) -> Decoder:

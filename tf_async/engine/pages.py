@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from .prefix import PrefixCache
+
 
 def pages_for_rows(num_rows: int, page_size: int) -> int:
     return -(-num_rows // page_size)
@@ -45,14 +47,19 @@ class PagePool:
 
 
 class Runs:
-    """Which pages each lane's run holds. `reserve` grows a run to cover `num_rows` rows."""
+    """Which pages each lane's run holds. `reserve` grows a run to cover `num_rows` rows.
+
+    With a prefix cache (paging only), a run may start with cached pages that other runs hold
+    too (`share`); a run's full pages are published to the cache (`publish`) and, when the run
+    closes, stay cached (idle) until a reserve runs short and evicts them."""
 
     def __init__(self, *, paging: bool, num_lanes: int, pages_per_lane: int, page_size: int,
-                 num_pages: int):
+                 num_pages: int, prefix_cache: bool = False):
         self.paging = paging
         self.page_size = page_size
         self.pages_per_lane = pages_per_lane
         self.pool = PagePool(num_pages if paging else num_lanes * pages_per_lane)
+        self.cache = PrefixCache() if prefix_cache and paging else None
         self._runs: dict[int, list[int]] = {}
 
     @property
@@ -61,7 +68,38 @@ class Runs:
 
     @property
     def num_pages_in_use(self) -> int:
-        return sum(len(pages) for pages in self._runs.values())
+        """Distinct pages held by open runs (a shared cached page counts once)."""
+        return len({page for pages in self._runs.values() for page in pages})
+
+    @property
+    def num_available(self) -> int:
+        """Pages a reserve may take: free ones, then idle cached ones (evicted on the way)."""
+        return self.pool.num_free + (self.cache.num_idle if self.cache is not None else 0)
+
+    def can_take(self, num_pages: int) -> bool:
+        return num_pages <= self.num_available
+
+    def _take(self, num_pages: int) -> list[int] | None:
+        if not self.can_take(num_pages):
+            return None
+        short = num_pages - self.pool.num_free
+        if short > 0 and self.cache is not None:
+            self.pool.free(self.cache.evict(short))
+        return self.pool.allocate(num_pages)
+
+    def share(self, lane: int, page_ids: list[int]) -> None:
+        """Append cached pages to a run whose every page is full (read-only from now on)."""
+        assert self.cache is not None
+        for page_id in page_ids:
+            self.cache.hold(page_id)
+        self._runs[lane].extend(page_ids)
+
+    def publish(self, lane: int, page_index: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        """Offer the run's full page `page_index` to the cache (a page already cached stays)."""
+        assert self.cache is not None
+        page_id = self._runs[lane][page_index]
+        if not self.cache.is_cached(page_id) and self.cache.publish(page_id, key, tokens):
+            self.cache.num_missed_pages += 1
 
     def pages(self, lane: int) -> list[int]:
         return self._runs.get(lane, [])
@@ -89,20 +127,26 @@ class Runs:
             return []
         if not self.paging:
             return None  # a contiguous run never grows past ctx
-        taken = self.pool.allocate(needed)
+        taken = self._take(needed)
         if taken is not None:
             self._runs[lane].extend(taken)
         return taken
 
     def can_reserve(self, lane: int, num_rows: int) -> bool:
         needed = self.pages_needed(lane, num_rows)
-        return needed == 0 or (self.paging and self.pool.can_allocate(needed))
+        return needed == 0 or (self.paging and self.can_take(needed))
 
     def close(self, lane: int) -> list[int]:
-        """Return the run's pages (to the pool with paging). Closing twice is a no-op."""
+        """Return the run's pages (to the pool with paging; cached ones stay cached, idle once
+        no run holds them). Closing twice is a no-op."""
         pages = self._runs.pop(lane, None)
         if pages is None:
             return []
-        if self.paging:
+        if self.paging and self.cache is not None:
+            for page_id in pages:
+                if self.cache.is_cached(page_id):
+                    self.cache.drop(page_id)
+            self.pool.free([p for p in pages if not self.cache.is_cached(p)])
+        elif self.paging:
             self.pool.free(pages)
         return pages

@@ -74,14 +74,19 @@ class Runner:
             self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
-        """Rolled-back lanes get their saved state; newly opened lanes start from zero state
-        (after the restores: a lane released and opened again is zeroed). Engine stream."""
+        """Kept states are copied out first; rolled-back lanes get their saved state; newly
+        opened lanes start from zero state (after the restores: a lane released and opened
+        again is zeroed), or from a kept state when they resume a cached prefix. Engine stream."""
         if self.states is None:
             return
+        for lane, slot in plan.states_to_keep:  # before anything changes those lanes
+            self.states.keep(lane, slot)
         if plan.lanes_to_restore:
             self.states.restore(plan.lanes_to_restore)
         for lane in plan.lanes_to_zero:
             self.states.zero(lane)
+        for slot, lane in plan.states_to_resume:  # resumed streams: a kept state, not zero
+            self.states.resume(slot, lane)
 
     def save_states(self, all_rows: tuple[SeqRows, ...]) -> tuple[int, ...]:
         """Save the state of every lane that verifies drafts (a rejected draft rolls it back)."""
@@ -264,7 +269,9 @@ class Runner:
                 "arena_bytes": self.arena.num_bytes + (0 if states is None else states.num_bytes),
                 "recurrent_state_bytes_per_lane": 0 if states is None else states.bytes_per_lane,
                 "recurrent_snapshot_bytes_per_lane":
-                    0 if states is None else states.snapshot_bytes_per_lane}
+                    0 if states is None else states.snapshot_bytes_per_lane,
+                "prefix_state_bytes":
+                    0 if states is None else states.num_prefix_slots * states.bytes_per_lane}
 
     def _batch(self, all_rows: tuple[SeqRows, ...], tables: dict[int, tuple[int, ...]]) -> ForwardBatch:
         page_size = self.arena.page_size

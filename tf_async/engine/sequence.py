@@ -38,6 +38,10 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_redo: int = 0  # rows after num_computed to re-feed after a recurrent-state rollback
+    cache_salt: str | None = None  # prefix cache: streams share pages only with equal salts
+    page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
+    num_published: int = 0  # pages of the current run offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt rows taken from the prefix cache at admission
     mask: TokenMask | None = None  # the grammar state of a constrained request (its outputs so far)
 
     @property
@@ -103,6 +107,10 @@ class RoundPlan:
     pages_to_zero: tuple[int, ...]
     lanes_to_zero: tuple[int, ...] = ()  # lanes opened this round: recurrent state zeroed
     lanes_to_restore: tuple[int, ...] = ()  # lanes rolled back after a rejected draft
+    # hybrids' prefix cache: (lane, slot) copies of a lane's state kept at a page boundary,
+    # run first; (slot, lane): a resumed stream's lane starts from a kept state, run last
+    states_to_keep: tuple[tuple[int, int], ...] = ()
+    states_to_resume: tuple[tuple[int, int], ...] = ()
     # Decode steps (--decode-steps): every row is one decode row with a choice, and the round
     # runs `steps` forwards in a row, step k at start_pos + k on the token chosen at step
     # k - 1 (fed where it was chosen: on the device, no host round trip between steps).
@@ -138,3 +146,4 @@ class TokenEvent:
     prompt_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

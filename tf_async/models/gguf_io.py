@@ -20,6 +20,7 @@ from ..errors import ModelFormatError
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .config import ROPE_TYPES, ModelConfig
 from .ggml_quants import float_array, to_linear
+from .progress import LoadProgress
 from .weights import AffineWeight, DenseWeight, Linear
 
 _GGUF_MAGIC = b"GGUF"
@@ -258,6 +259,7 @@ class _TensorTable:
 
     tensors: dict[str, ReaderTensor]
     source: str
+    progress: LoadProgress | None = None
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -270,6 +272,8 @@ class _TensorTable:
         if got != shape:
             raise ModelFormatError(f"{self.source}: tensor {name!r} has shape {list(got)}, "
                                    f"expected {list(shape)} from the GGUF metadata")
+        if self.progress is not None:
+            self.progress.advance(int(t.n_bytes))
         return t
 
     def linear(self, name: str, shape: tuple[int, ...]) -> Linear:
@@ -345,7 +349,8 @@ def _model(table: _TensorTable, cfg: ModelConfig, permuted: bool) -> ModelWeight
     )
 
 
-def load_gguf_weights(path: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
+def load_gguf_weights(path: str | os.PathLike, progress: LoadProgress | None = None,
+                      ) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
     """Config, weights and info of a GGUF file (everything but the tokenizer).
 
     info: {"format": "gguf", "gguf_architecture", "file_type", "tensor_types": {type: count},
@@ -360,7 +365,7 @@ def load_gguf_weights(path: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
     config = config_from_gguf(meta, shapes, source=source)
     permuted = meta.get("general.architecture") == "llama"
-    weights = _model(_TensorTable(tensors, source), config, permuted)
+    weights = _model(_TensorTable(tensors, source, progress), config, permuted)
     info = {
         "format": "gguf",
         "gguf_architecture": meta.get("general.architecture"),
@@ -371,12 +376,12 @@ def load_gguf_weights(path: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     return config, weights, info
 
 
-def load_gguf(path: str | os.PathLike) -> Checkpoint:
+def load_gguf(path: str | os.PathLike, progress: LoadProgress | None = None) -> Checkpoint:
     """Load a GGUF v3 checkpoint (llama, qwen2, qwen3, qwen3moe) with its tokenizer.
 
     Raises ModelFormatError naming the file (and tensor) for a missing, truncated or
     malformed file, an unknown architecture or an unsupported tensor type."""
-    config, weights, info = load_gguf_weights(path)
+    config, weights, info = load_gguf_weights(path, progress)
     from .tokenizer import Tokenizer  # lazy: heavier module, not needed for weights
 
     tokenizer = Tokenizer.from_gguf_metadata(info["metadata"], source=str(path))

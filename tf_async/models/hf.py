@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .config import ModelConfig, config_from_hf
+from .progress import LoadProgress
 from .safetensors_io import SafetensorsFile
 from .weights import AffineWeight, DenseWeight, Linear
 
@@ -72,9 +73,11 @@ def merge_generation_config(config: ModelConfig, folder: Path) -> ModelConfig:
 class TensorSource:
     """Tensor name -> shard file over one folder; records which names were read."""
 
-    def __init__(self, folder: Path, files: list[SafetensorsFile]):
+    def __init__(self, folder: Path, files: list[SafetensorsFile],
+                 progress: LoadProgress | None = None):
         self.folder = folder
         self.files = files
+        self.progress = progress
         self.owner: dict[str, SafetensorsFile] = {}
         self.used: set[str] = set()
         for st in files:
@@ -84,11 +87,11 @@ class TensorSource:
                 self.owner[name] = st
 
     @classmethod
-    def open(cls, folder: Path) -> TensorSource:
+    def open(cls, folder: Path, progress: LoadProgress | None = None) -> TensorSource:
         if (folder / INDEX_FILE).is_file():
-            return cls(folder, _open_shards(folder))
+            return cls(folder, _open_shards(folder), progress)
         if (folder / SINGLE_FILE).is_file():
-            return cls(folder, [SafetensorsFile(folder / SINGLE_FILE)])
+            return cls(folder, [SafetensorsFile(folder / SINGLE_FILE)], progress)
         raise ModelFormatError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
 
     def has(self, name: str) -> bool:
@@ -106,6 +109,9 @@ class TensorSource:
         if st is None:
             raise ModelFormatError(f"{self.file_of(name)}: missing tensor {name!r}")
         self.used.add(name)
+        if self.progress is not None:
+            info = st.tensors[name]
+            self.progress.advance(info.end - info.begin)
         return st.get(name), st.tensors[name].dtype
 
 
@@ -335,7 +341,8 @@ class WeightReader:
                                    + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))
 
 
-def load_hf_weights(folder: str | os.PathLike) -> tuple[ModelConfig, ModelWeights, dict[str, object]]:
+def load_hf_weights(folder: str | os.PathLike, progress: LoadProgress | None = None,
+                    ) -> tuple[ModelConfig, ModelWeights, dict[str, object]]:
     """Config, weights and meta of an HF or MLX folder (everything but the tokenizer)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -345,7 +352,7 @@ def load_hf_weights(folder: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     config = config_from_hf(raw, source=str(config_path))
     config = replace(merge_generation_config(config, folder), name=folder.name)
     quant = QuantSpec.from_config(raw, config_path)
-    source = TensorSource.open(folder)
+    source = TensorSource.open(folder, progress)
     weights = WeightReader(source, config, quant).model()
     meta: dict[str, object] = {
         "format": "mlx" if quant.enabled else "hf",
@@ -355,12 +362,12 @@ def load_hf_weights(folder: str | os.PathLike) -> tuple[ModelConfig, ModelWeight
     return config, weights, meta
 
 
-def load_hf_folder(path: str | os.PathLike) -> Checkpoint:
+def load_hf_folder(path: str | os.PathLike, progress: LoadProgress | None = None) -> Checkpoint:
     """Load a Hugging Face (float) or MLX (affine 4/8-bit) checkpoint folder.
 
     Raises ModelFormatError naming the file and tensor for anything missing or malformed.
     """
-    config, weights, meta = load_hf_weights(path)
+    config, weights, meta = load_hf_weights(path, progress)
     from .tokenizer import Tokenizer  # lazy: the tokenizer module is heavier and optional here
 
     tokenizer = Tokenizer.from_hf_folder(Path(path))

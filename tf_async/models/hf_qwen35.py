@@ -22,6 +22,7 @@ from ..errors import ModelFormatError
 from .checkpoint import Checkpoint
 from .config import ROPE_TYPES, ModelConfig
 from .hf import QuantSpec, TensorSource, WeightReader, _read_json, merge_generation_config
+from .progress import LoadProgress
 from .qwen35 import (
     FULL_ATTENTION,
     HYBRID_ARCHS,
@@ -314,7 +315,7 @@ class HybridReader:
 # folder
 
 
-def load_qwen35_weights(folder: str | os.PathLike
+def load_qwen35_weights(folder: str | os.PathLike, progress: LoadProgress | None = None,
                         ) -> tuple[HybridConfig, HybridWeights, dict[str, object]]:
     """Config, weights and meta of a hybrid folder (everything but the tokenizer)."""
     folder = Path(folder)
@@ -324,7 +325,7 @@ def load_qwen35_weights(folder: str | os.PathLike
     kv_config = replace(merge_generation_config(hybrid.kv_config, folder), name=folder.name)
     hybrid = replace(hybrid, kv_config=kv_config)
     quant = QuantSpec.from_config(raw, config_path)
-    source = TensorSource.open(folder)
+    source = TensorSource.open(folder, progress)
     reader = HybridReader(source, quant, hybrid)
     weights = reader.model()
     meta: dict[str, object] = {
@@ -342,10 +343,11 @@ def load_qwen35_weights(folder: str | os.PathLike
     return hybrid, weights, meta
 
 
-def load_qwen35_folder(path: str | os.PathLike) -> Checkpoint:
+def load_qwen35_folder(path: str | os.PathLike, progress: LoadProgress | None = None,
+                       ) -> Checkpoint:
     """Load a Qwen3.5 / Qwen3.6 hybrid folder. `checkpoint.config` is the KV view
     (num_layers = full-attention layers); the trunk is described by `weights.hybrid`."""
-    hybrid, weights, meta = load_qwen35_weights(path)
+    hybrid, weights, meta = load_qwen35_weights(path, progress)
     from .tokenizer import Tokenizer  # lazy, as in hf.py
 
     tokenizer = Tokenizer.from_hf_folder(Path(path))

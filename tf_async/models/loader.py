@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint
+from .progress import LoadProgress
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -17,17 +18,25 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     model_path = Path(path).expanduser()
     if not model_path.exists():
         raise ModelFormatError(f"{model_path}: model path does not exist")
+    progress = LoadProgress.for_path(model_path)  # a bar on a terminal, for large checkpoints
+    try:
+        return _load(model_path, progress)
+    finally:
+        progress.finish()
+
+
+def _load(model_path: Path, progress: LoadProgress) -> Checkpoint:
     if model_path.is_dir():
         from .hf import load_hf_folder
         from .hf_qwen35 import is_hybrid_folder, load_qwen35_folder
 
         if is_hybrid_folder(model_path):  # qwen3_5 / qwen3_5_moe: the hybrid loader
-            return load_qwen35_folder(model_path)
-        return load_hf_folder(model_path)
+            return load_qwen35_folder(model_path, progress)
+        return load_hf_folder(model_path, progress)
     if model_path.suffix.lower() == ".gguf":
         from .gguf_io import load_gguf  # lazy: only GGUF models need the GGUF reader
 
-        return load_gguf(str(model_path))
+        return load_gguf(str(model_path), progress)
     raise ModelFormatError(
         f"{model_path}: not a model; expected a .gguf file or a folder with config.json "
         "and model.safetensors (Hugging Face or MLX)"

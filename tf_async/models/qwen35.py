@@ -233,6 +233,8 @@ class RecurrentStates:
         self.delta = self._zeros(self.layout.delta_shape)
         self.saved_conv = self._zeros(self.layout.conv_shape) if with_snapshots else None
         self.saved_delta = self._zeros(self.layout.delta_shape) if with_snapshots else None
+        self.kept_conv: Array | None = None  # prefix-cache slots (add_prefix_slots)
+        self.kept_delta: Array | None = None
 
     def _zeros(self, per_lane: tuple[int, ...]) -> Array:
         shape = (self.layout.num_gdn_layers, self.layout.num_lanes, *per_lane)
@@ -273,6 +275,35 @@ class RecurrentStates:
         idx = self._index(lanes)
         self.conv[:, idx] = self.saved_conv[:, idx]  # type: ignore[index]
         self.delta[:, idx] = self.saved_delta[:, idx]  # type: ignore[index]
+
+    # ---- prefix-cache slots: states kept at page boundaries (engine/prefix.StateSlots) ----
+    def add_prefix_slots(self, num_slots: int) -> None:
+        """Allocate `num_slots` kept states (once, at start) for resumed streams."""
+        self.kept_conv = self.xp.zeros((self.layout.num_gdn_layers, num_slots,
+                                        *self.layout.conv_shape), dtype=np.float32)
+        self.kept_delta = self.xp.zeros((self.layout.num_gdn_layers, num_slots,
+                                         *self.layout.delta_shape), dtype=np.float32)
+
+    @property
+    def num_prefix_slots(self) -> int:
+        return 0 if self.kept_conv is None else int(self.kept_conv.shape[1])
+
+    def keep(self, lane: int, slot: int) -> None:
+        """Copy the lane's state into prefix slot `slot`."""
+        self._check_slot(lane, slot)
+        self.kept_conv[:, slot] = self.conv[:, lane]  # type: ignore[index]
+        self.kept_delta[:, slot] = self.delta[:, lane]  # type: ignore[index]
+
+    def resume(self, slot: int, lane: int) -> None:
+        """Start the lane from the state kept in `slot` (instead of zero)."""
+        self._check_slot(lane, slot)
+        self.conv[:, lane] = self.kept_conv[:, slot]  # type: ignore[index]
+        self.delta[:, lane] = self.kept_delta[:, slot]  # type: ignore[index]
+
+    def _check_slot(self, lane: int, slot: int) -> None:
+        self._check_lanes([lane])
+        if not 0 <= slot < self.num_prefix_slots:
+            raise ValueError(f"RecurrentStates: prefix slot {slot} outside [0, {self.num_prefix_slots})")
 
     def _index(self, lanes: list[int] | tuple[int, ...]) -> Array:
         if self.saved_conv is None:

@@ -43,6 +43,7 @@ from .tools import ToolMode, build_tool_prompt, check_tools, tag_terms, tool_gra
 log = logging.getLogger("tf_async.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+WS_HEARTBEAT_S = 30.0  # websocket ping interval; a client that misses a pong is dropped
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 STATIC_DIR = Path(__file__).parent / "static"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -100,7 +101,8 @@ class Server:
     """The state behind the routes: engine, settings and metrics of one app."""
 
     def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | list[str] | tuple[str, ...] | None, max_body_bytes: int):
+                 model_name: str | list[str] | tuple[str, ...] | None, max_body_bytes: int,
+                 ws_heartbeat_s: float = WS_HEARTBEAT_S):
         self.engine = engine
         self.api_key = api_key
         self.cors_origin = cors_origin
@@ -109,6 +111,7 @@ class Server:
         self.model_name = self.model_names[0]
         self.fingerprint = _fingerprint(str(getattr(engine, "model_name", self.model_name)))
         self.max_body_bytes = max_body_bytes
+        self.ws_heartbeat_s = ws_heartbeat_s
         self.metrics = ServerMetrics(engine.stats)
         self.websockets: set[web.WebSocketResponse] = set()
 
@@ -312,6 +315,10 @@ class Server:
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
+    async def favicon(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "favicon.svg",
+                                headers={"Content-Type": "image/svg+xml"})
+
 
 def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
@@ -333,7 +340,7 @@ def _engine_logprobs(num_logprobs: int | None) -> int | None:
 
 
 SERVER_KEY = web.AppKey("tf_async_server", Server)
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/favicon.ico", "/favicon.svg")
 
 
 @web.middleware
@@ -386,7 +393,8 @@ async def _close_websockets(app: web.Application) -> None:
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
                model_name: str | list[str] | tuple[str, ...] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               ws_heartbeat_s: float = WS_HEARTBEAT_S) -> web.Application:
     """The aiohttp application serving `engine` (a started `tf_async.Engine`); `model_name`:
     the name(s) it answers to (the first is the one /v1/models lists first)."""
     from .ws import chat_websocket  # ws imports this module's helpers
@@ -394,7 +402,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, cors_middleware, auth_middleware])
     server = app[SERVER_KEY] = Server(engine, api_key=api_key, cors_origin=cors_origin,
-                                      model_name=model_name, max_body_bytes=max_body_bytes)
+                                      model_name=model_name, max_body_bytes=max_body_bytes,
+                                      ws_heartbeat_s=ws_heartbeat_s)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_post("/v1/responses", server.responses)
@@ -407,6 +416,8 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/v1/chat/ws", chat_websocket)
     app.router.add_get("/", server.index)
+    app.router.add_get("/favicon.ico", server.favicon)  # browsers ask for it: no 404
+    app.router.add_get("/favicon.svg", server.favicon)
     app.on_response_prepare.append(_add_cors)
     app.on_shutdown.append(_close_websockets)
     return app

@@ -2,26 +2,32 @@
 
 The top-level CLI (tf_async/cli.py) adds these to its subcommands:
 `add_serve_args(parser)` + `run_serve(args)`, `add_chat_args(parser)` + `run_chat(args)`.
+The chat client itself lives in chat_client.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator
-from typing import Any, TextIO
+from collections.abc import Awaitable
+from typing import Any
 
 import aiohttp
+from aiohttp import web
 
-from ..errors import BadInputError, QueueFullError
-from .app import DEFAULT_MAX_BODY_BYTES, create_app, start_server
+from ..errors import BadInputError
+from .app import DEFAULT_MAX_BODY_BYTES, SERVER_KEY, create_app, start_server
+from .chat_client import ChatError, ChatSession, InProcessChatClient, WsChatClient, chat_loop
+from .metrics import ServerMetrics
 
 log = logging.getLogger("tf_async.server")
+CANCEL_GRACE_S = 5.0  # after cancelling at shutdown, how long handlers may take to answer
 
 
 def _env_int(name: str) -> int | None:
@@ -33,10 +39,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags of the model and how it runs (shared by serve, chat, gate and bench)."""
     parser.add_argument("--model", default=None,
                         help="HF folder, MLX folder or .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--kv-dtype", default="f32", choices=("f32", "bf16", "fp8"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the model runs (auto: the GPU when there is one)")
+    parser.add_argument("--kv-dtype", default="f32", choices=("f32", "bf16", "fp8"),
+                        help="dtype of the KV cache (bf16/fp8 fit more tokens in memory)")
     parser.add_argument("--drafter", default=None, help="speculative drafter: ngram, mtp or draft:PATH")
-    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-tokens", type=int, default=4,
+                        help="tokens the drafter proposes per round")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CUDA device, replay decode rounds of dense models from captured "
                              "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
@@ -58,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV page pool size with paging (env TF_KV_PAGES)")
     parser.add_argument("--paging", action=argparse.BooleanOptionalAction, default=True,
                         help="take KV pages on demand from a shared pool")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of prompts seen before (resumed chats, shared "
+                             "system prompts; same outputs); paging only")
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="prompt tokens per round (stepped prefill)")
     add_decode_steps_arg(parser)
@@ -69,18 +81,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `tf-async serve`."""
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="TCP port to listen on (0: any free port)")
     parser.add_argument("--api-key", default=os.environ.get("TF_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(env TF_API_KEY)")
     parser.add_argument("--cors-origin", default=None,
                         help="allow this browser origin (CORS); none by default")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted (bigger: HTTP 413)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"), help="server log level")
+    parser.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, let running streams finish for up to this long, "
+                             "then cancel the rest (a second Ctrl-C stops at once)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="name(s) the API answers to (aliases, e.g. gpt-4o-mini); the "
                              "first is listed first; default: the model's own name")
-    parser.add_argument("--log-level", default="info")
 
 
 def engine_from_args(args: argparse.Namespace) -> Any:
@@ -91,31 +109,112 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
                   cuda_graphs=args.cuda_graphs,
-                  decode_steps=args.decode_steps)
+                  decode_steps=args.decode_steps, prefix_cache=args.prefix_cache)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM."""
+    """Serve until SIGINT / SIGTERM, then drain (see `_shutdown`)."""
+    check_port_free(args.host, args.port)  # before the model loads, which can take minutes
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(_serve(args))
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        print("tf-async: interrupted before the server started", file=sys.stderr)
+        return 130
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """BadInputError (one line, exit code 2) when host:port cannot be listened on."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BadInputError(f"cannot resolve --host {host}: {exc.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise BadInputError(_bind_error(host, port, exc)) from None
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is in use (another server running?); "
+                f"stop it or pick another port with --port")
+    return f"cannot listen on {host}:{port}: {exc.strerror}"
+
+
+class StopSignals:
+    """SIGINT/SIGTERM: the first asks for a graceful stop, the second for an immediate one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    print(f"tf-async: loading {args.model or 'the default model'} (device {args.device})",
+          flush=True)
     async with engine_from_args(args) as engine:
         app = create_app(engine, api_key=args.api_key, cors_origin=args.cors_origin,
                          model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
         runner, port = await start_server(app, args.host, args.port)
+        signals = StopSignals(asyncio.get_running_loop())
         print(f"tf-async: serving {engine.model_name} on http://{args.host}:{port} "
-              f"(web chat at /, OpenAI API at /v1)", flush=True)
-        try:
-            await stop.wait()
-        finally:
-            await runner.cleanup()
+              f"(web chat at /, OpenAI API at /v1; Ctrl-C to stop)", flush=True)
+        await signals.first.wait()
+        await _shutdown(runner, engine, args.shutdown_timeout, signals.second)
+
+
+async def _shutdown(runner: web.AppRunner, engine: Any, timeout_s: float,
+                    now: asyncio.Event) -> None:
+    """Stop listening and refuse new requests, let running streams finish for up to
+    `timeout_s` (or until `now` is set: a second Ctrl-C), cancel the rest, close."""
+    metrics = runner.app[SERVER_KEY].metrics
+    held = metrics.num_in_flight
+    print(f"tf-async: shutting down: no new requests; draining {held} request(s) for up to "
+          f"{timeout_s:g} s (Ctrl-C again to stop now)", flush=True)
+    engine.refuse_new("the server is shutting down; retry on another server or later")
+    for site in list(runner.sites):  # no new connections; open ones (websockets too) stay
+        await site.stop()             # readable, so a client can still cancel its stream
+    drained = await _first_of(_drained(engine, metrics), now.wait(), timeout_s)
+    cancelled = 0
+    if not drained:
+        cancelled = metrics.num_in_flight
+        why = "second signal" if now.is_set() else f"{timeout_s:g} s timeout"
+        print(f"tf-async: {why}: cancelling {cancelled} request(s)", flush=True)
+        await engine.cancel_all()
+        # Handlers end within a few loop turns of their stream's last event.
+        await _first_of(metrics.wait_none_in_flight(), asyncio.Event().wait(), CANCEL_GRACE_S)
+    await runner.cleanup()
+    stats = engine.stats()
+    print(f"tf-async: stopped ({held - cancelled} request(s) finished, {cancelled} cancelled; "
+          f"{stats['lanes_in_use']} lanes, {stats['pages_in_use']} pages in use)", flush=True)
+
+
+async def _drained(engine: Any, metrics: ServerMetrics) -> None:
+    await engine.wait_idle()
+    await metrics.wait_none_in_flight()
+
+
+async def _first_of(done: Awaitable[None], abort: Awaitable[object], timeout_s: float) -> bool:
+    """True when `done` completes before `abort` and the timeout."""
+    done_task = asyncio.ensure_future(done)
+    abort_task = asyncio.ensure_future(abort)
+    try:
+        await asyncio.wait({done_task, abort_task}, timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        return done_task.done()
+    finally:
+        for task in (done_task, abort_task):
+            task.cancel()
 
 
 # ---------------------------------------------------------------- terminal chat
@@ -127,113 +226,32 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
                         help="server to talk to over its websocket")
     parser.add_argument("--in-process", action="store_true",
                         help="run an engine in this process instead of connecting")
-    parser.add_argument("--api-key", default=os.environ.get("TF_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get("TF_API_KEY"),
+                        help="the server's API key (env TF_API_KEY)")
     parser.add_argument("--system", default=None, help="system prompt")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=512, help="longest reply, in tokens")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature (0: greedy)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (same seed, same reply)")
     add_engine_args(parser)
 
 
-class ChatError(RuntimeError):
-    """The server refused or failed a chat (the message says why)."""
-
-
-class WsChatClient:
-    """Chats over /v1/chat/ws; one reply at a time, cancel by id."""
-
-    def __init__(self, url: str, api_key: str | None = None):
-        self.url = url.rstrip("/").replace("http", "ws", 1) + "/v1/chat/ws"
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._next_id = 0
-
-    async def __aenter__(self) -> WsChatClient:
-        self._session = aiohttp.ClientSession()
-        self._ws = await self._session.ws_connect(self.url, headers=self.headers)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._ws is not None:
-            await self._ws.close()
-        if self._session is not None:
-            await self._session.close()
-
-    async def reply(self, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[str]:
-        """Yield the reply's text pieces; cancelling the consumer sends a cancel message."""
-        assert self._ws is not None
-        self._next_id += 1
-        chat_id = self._next_id
-        await self._ws.send_json({"type": "chat", "id": chat_id, "messages": messages, **params})
-        try:
-            while True:
-                msg = await self._ws.receive_json()
-                if msg.get("id") != chat_id:
-                    continue
-                if msg["type"] == "delta":
-                    yield msg["text"]
-                elif msg["type"] == "error":
-                    raise ChatError(msg["error"]["message"])
-                else:
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            await self._cancel(chat_id)
-            raise
-
-    async def _cancel(self, chat_id: int) -> None:
-        """Tell the server to stop, then drain until its `done` so the socket stays in step."""
-        assert self._ws is not None
-        await self._ws.send_json({"type": "cancel", "id": chat_id})
-        while True:
-            msg = await self._ws.receive_json()
-            if msg.get("id") == chat_id and msg["type"] in ("done", "error"):
-                return
-
-
-class InProcessChatClient:
-    """The same `reply` on an Engine in this process."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    async def reply(self, messages: list[dict[str, str]], **params: Any) -> AsyncIterator[str]:
-        async with contextlib.aclosing(self.engine.chat(messages, **params)) as deltas:
-            async for delta in deltas:
-                if delta.text:
-                    yield delta.text
-
-
-class ChatSession:
-    """Multi-turn history; `ask` streams one reply to `out` (a stopped reply is kept)."""
-
-    def __init__(self, client: Any, *, system: str | None = None, **params: Any):
-        self.client = client
-        self.params = params
-        self.history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-
-    async def ask(self, text: str, out: TextIO) -> str:
-        self.history.append({"role": "user", "content": text})
-        pieces: list[str] = []
-        try:
-            async for piece in self.client.reply(list(self.history), **self.params):
-                pieces.append(piece)
-                out.write(piece)
-                out.flush()
-        except (ChatError, BadInputError, QueueFullError):
-            self.history.pop()  # the turn got no reply: forget it
-            raise
-        finally:
-            if self.history and self.history[-1]["role"] == "user":  # finished or stopped
-                self.history.append({"role": "assistant", "content": "".join(pieces)})
-            out.write("\n")
-        return "".join(pieces)
+__all__ = ["ChatError", "ChatSession", "InProcessChatClient", "WsChatClient", "add_chat_args",
+           "add_serve_args", "run_chat", "run_serve"]
 
 
 def run_chat(args: argparse.Namespace) -> int:
     """Terminal chat; Ctrl-C stops the current reply, Ctrl-C at the prompt (or EOF) quits."""
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         asyncio.run(_chat(args))
+    except KeyboardInterrupt:
+        pass
+    except aiohttp.ClientError as exc:
+        print(f"tf-async chat: error: cannot reach {args.url} ({exc}); is `tf-async serve` "
+              f"running there? (--url picks the server; --in-process runs the model here)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
@@ -243,53 +261,8 @@ async def _chat(args: argparse.Namespace) -> None:
         params["seed"] = args.seed
     if args.in_process:
         async with engine_from_args(args) as engine:
-            await _chat_loop(ChatSession(InProcessChatClient(engine), system=args.system, **params))
+            session = ChatSession(InProcessChatClient(engine), system=args.system, **params)
+            await chat_loop(session, "this process")
     else:
         async with WsChatClient(args.url, args.api_key) as client:
-            await _chat_loop(ChatSession(client, system=args.system, **params))
-
-
-async def _chat_loop(session: ChatSession, stdin: TextIO = sys.stdin,
-                     stdout: TextIO = sys.stdout) -> None:
-    loop = asyncio.get_running_loop()
-    current: dict[str, asyncio.Task[Any]] = {}
-    loop.add_signal_handler(signal.SIGINT, lambda: [t.cancel() for t in current.values()])
-    reader = await _stdin_reader(stdin)
-    try:
-        while True:
-            stdout.write("> ")
-            stdout.flush()
-            current["read"] = asyncio.create_task(reader())
-            try:
-                line = await current["read"]
-            except asyncio.CancelledError:
-                return  # Ctrl-C at the prompt quits
-            del current["read"]
-            if not line:
-                return  # EOF
-            if line.strip():
-                current["reply"] = asyncio.create_task(session.ask(line.strip(), stdout))
-                try:
-                    await current["reply"]
-                except asyncio.CancelledError:
-                    pass  # Ctrl-C stops this reply only
-                except (ChatError, BadInputError, QueueFullError) as exc:
-                    print(f"error: {exc}", file=sys.stderr)
-                current.pop("reply", None)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
-
-
-async def _stdin_reader(stdin: TextIO) -> Any:
-    """An async readline for stdin (a pipe/tty through the loop; else a thread)."""
-    loop = asyncio.get_running_loop()
-    try:
-        stream = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), stdin)
-    except (ValueError, OSError):
-        return lambda: asyncio.to_thread(stdin.readline)
-
-    async def readline() -> str:
-        return (await stream.readline()).decode(errors="replace")
-
-    return readline
+            await chat_loop(ChatSession(client, system=args.system, **params), args.url)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from ..api_types import Usage
@@ -74,6 +74,31 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=reg)
         self.duration = Histogram("tf_request_duration_seconds", "Request duration.",
                                   buckets=_LATENCY_BUCKETS, registry=reg)
+        self.in_flight = Gauge("tf_requests_in_flight", "Requests being answered (not yet "
+                               "counted in tf_requests).", registry=reg)
+        self._num_in_flight = 0
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    async def wait_none_in_flight(self) -> None:
+        """Return once every request begun has been counted with its outcome."""
+        while self._num_in_flight:
+            self._none_in_flight.clear()
+            await self._none_in_flight.wait()
+
+    def _begin(self) -> None:
+        self._num_in_flight += 1
+        self.in_flight.inc()
+
+    def _end(self) -> None:
+        self._num_in_flight -= 1
+        self.in_flight.dec()
+        if not self._num_in_flight:
+            self._none_in_flight.set()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -92,6 +117,7 @@ class RequestTracker:
         self._last_token_s: float | None = None
         self.num_tokens = 0
         self.finished = False
+        metrics._begin()
 
     def on_tokens(self, num_tokens: int) -> None:
         """Record `num_tokens` tokens arriving now (first one: TTFT; later: ITL)."""
@@ -131,6 +157,7 @@ class RequestTracker:
             return
         self.finished = True
         metrics = self._metrics
+        metrics._end()
         metrics.requests.labels(self._endpoint, outcome).inc()
         metrics.duration.observe(time.perf_counter() - self._start_s)
         if usage is not None:

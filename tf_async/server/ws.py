@@ -156,7 +156,7 @@ async def chat_websocket(request: web.Request) -> web.WebSocketResponse:
     """GET /v1/chat/ws: upgrade and serve chats until the socket closes."""
     server = request.app[SERVER_KEY]
     server.check_origin(request)
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=server.max_body_bytes)
+    ws = web.WebSocketResponse(heartbeat=server.ws_heartbeat_s, max_msg_size=server.max_body_bytes)
     await ws.prepare(request)
     server.websockets.add(ws)
     try:

@@ -1,0 +1,335 @@
+"""Prefix cache (engine/prefix.py, pages.Runs): resumed == fresh, token for token.
+
+A chat client sends the whole conversation every turn; the engine reuses the KV pages of the
+prefix it has seen. Every test compares with the same request on an engine without the cache.
+Allocator tests use tiny pools with exact page ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.engine_helpers import idle_stats, record_plans
+from tf_async import BadInputError, Engine
+from tf_async.engine.build import kv_identity
+from tf_async.engine.pages import Runs
+from tf_async.engine.prefix import next_key, root_key
+from tf_async.engine.sched import Scheduler
+from tf_async.engine.sequence import RoundPlan
+
+PAGE = 4
+OPTIONS: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=PAGE, step_tokens=16)
+
+
+def _tokens(seed: int, num_tokens: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 300, num_tokens).tolist()
+
+
+def _sampling(mode: str, index: int, max_tokens: int = 8) -> dict[str, Any]:
+    if mode == "greedy":
+        return {"max_tokens": max_tokens, "ignore_eos": True}
+    return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.9, "seed": 70 + index}
+
+
+# ---- allocator: exact page ids ------------------------------------------------------------
+def test_published_pages_outlive_their_run_and_are_shared_read_only() -> None:
+    runs = Runs(paging=True, num_lanes=2, pages_per_lane=4, page_size=4, num_pages=6,
+                prefix_cache=True)
+    cache = runs.cache
+    assert cache is not None
+    runs.open(0)
+    assert runs.reserve(0, 10) == [0, 1, 2]
+    runs.publish(0, 0, b"k0", (1, 2, 3, 4))
+    runs.publish(0, 1, b"k1", (5, 6, 7, 8))
+    assert runs.close(0) == [0, 1, 2]
+    assert runs.pool.num_free == 4 and cache.num_idle == 2  # 0, 1 cached; 2 back to the pool
+    assert runs.num_pages_in_use == 0 and runs.num_available == 6
+    assert cache.lookup(b"k1", (5, 6, 7, 8)) == 1
+    assert cache.lookup(b"k1", (5, 6, 7, 9)) is None  # a key whose tokens differ is a miss
+    runs.open(1)
+    runs.share(1, [0, 1])
+    assert runs.pages(1) == [0, 1] and cache.num_idle == 0 and runs.num_available == 4
+    assert runs.reserve(1, 12) == [3]  # the run grows on its own pages past the shared ones
+
+
+def test_idle_cached_pages_are_evicted_least_recently_used_first() -> None:
+    runs = Runs(paging=True, num_lanes=1, pages_per_lane=4, page_size=4, num_pages=4,
+                prefix_cache=True)
+    cache = runs.cache
+    assert cache is not None
+    runs.open(0)
+    assert runs.reserve(0, 16) == [0, 1, 2, 3]
+    for i in (2, 0, 3):
+        runs.publish(0, i, bytes([i]), (i,))
+    runs.close(0)  # idle in the order they went idle: 0, 2, 3 (page order of the run)
+    runs.open(0)
+    runs.share(0, [2])  # 2 is used again: no longer idle
+    runs.close(0)  # idle order now 0, 3, 2
+    runs.open(0)
+    assert runs.reserve(0, 12) == [1, 0, 3]  # the free page first, then LRU evictions
+    assert cache.num_evictions == 2 and cache.lookup(bytes([2]), (2,)) == 2
+    assert cache.lookup(bytes([0]), (0,)) is None
+
+
+def test_keys_chain_and_separate_salts_and_kv_settings(tiny_llama) -> None:  # noqa: ANN001
+    root = root_key(b"model", None)
+    assert root != root_key(b"model", "tenant-a") != root_key(b"model", "tenant-b")
+    assert next_key(root, (1, 2)) != next_key(next_key(root, (9, 9)), (1, 2))
+    identities = {kv_identity(tiny_llama, dtype, None) for dtype in ("f32", "bf16", "fp8")}
+    assert len(identities) == 3
+    scales = np.ones((2, 2), np.float32)
+    assert kv_identity(tiny_llama, "fp8", scales) != kv_identity(tiny_llama, "fp8", 2 * scales)
+
+
+# ---- resumed == fresh ---------------------------------------------------------------------
+async def _chat(eng: Engine, turns: int, mode: str, seed: int = 0) -> list[tuple[list[int], int]]:
+    """A chat of `turns` turns on token ids: each turn sends everything so far plus a new user
+    part. Returns each turn's (output ids, cached prompt tokens)."""
+    history = _tokens(seed, 23)
+    out = []
+    for turn in range(turns):
+        prompt = history + _tokens(seed + 100 + turn, 5 + 3 * turn)
+        done = await eng.complete(prompt, **_sampling(mode, turn))
+        out.append((done.token_ids, done.usage.cached_tokens))
+        history = prompt + done.token_ids
+    return out
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+@pytest.mark.parametrize("turns", [2, 5])
+async def test_resumed_chat_equals_fresh(tiny_llama, mode, turns) -> None:  # noqa: ANN001
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        resumed = await _chat(eng, turns, mode)
+        stats = await idle_stats(eng)
+    async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat(eng, turns, mode)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[0][1] == 0 and all(cached > 20 for _, cached in resumed[1:]), resumed
+    assert all(cached % PAGE == 0 for _, cached in resumed)
+    assert all(cached == 0 for _, cached in fresh)
+    assert stats["cached_pages"] > 0 and stats["prefix_cache_hit_pages"] > 0
+
+
+async def _shared_prefix(eng: Engine, num_streams: int, mode: str) -> list[list[int]]:
+    prefix = _tokens(1, 61)
+    prompts = [prefix + _tokens(200 + i, 3 + i) for i in range(num_streams)]
+    done = await asyncio.gather(*(eng.complete(p, **_sampling(mode, i))
+                                  for i, p in enumerate(prompts)))
+    return [d.token_ids for d in done]
+
+
+@pytest.mark.parametrize("num_streams", [1, 2, 4, 8])
+async def test_concurrent_streams_sharing_a_prefix_equal_fresh(tiny_llama, num_streams) -> None:  # noqa: ANN001
+    for mode in ("greedy", "seeded"):
+        async with Engine(tiny_llama, **{**OPTIONS, "parallel": 8}) as eng:
+            shared = await _shared_prefix(eng, num_streams, mode)
+            stats = await idle_stats(eng)
+        async with Engine(tiny_llama, **{**OPTIONS, "parallel": 8}, prefix_cache=False) as eng:
+            fresh = await _shared_prefix(eng, num_streams, mode)
+        assert shared == fresh
+        assert (stats["prefix_cache_hit_pages"] > 0) == (num_streams > 1)
+
+
+async def test_eviction_under_pressure_never_changes_an_output(tiny_llama) -> None:  # noqa: ANN001
+    options = {**OPTIONS, "parallel": 2, "ctx": 64, "kv_pages": 2 * 64 // PAGE}
+    prompts = [_tokens(300 + i, 40) for i in range(6)] * 2  # the second pass hits or re-evicts
+
+    async def run(eng: Engine) -> list[list[int]]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("greedy", i))
+                                      for i, p in enumerate(prompts)))
+        return [d.token_ids for d in done]
+
+    async with Engine(tiny_llama, **options) as eng:
+        cached = await run(eng)
+        stats = await idle_stats(eng)
+        preemptions = eng.parts.scheduler.num_preemptions
+    async with Engine(tiny_llama, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+        preemptions_fresh = eng.parts.scheduler.num_preemptions
+    assert cached == fresh
+    assert stats["prefix_cache_evictions"] > 0
+    assert preemptions <= preemptions_fresh  # idle cached pages go before any running stream
+
+
+async def test_a_cancel_mid_prompt_then_the_same_prompt_equals_fresh(tiny_llama) -> None:  # noqa: ANN001
+    prompt = _tokens(5, 90)
+    async with Engine(tiny_llama, **{**OPTIONS, "step_tokens": 8}) as eng:
+        stream = eng.stream(prompt, **_sampling("greedy", 0))
+        task = asyncio.create_task(stream.__anext__())
+        for _ in range(200):  # until some of its prompt is computed (published pages)
+            if eng.stats().get("cached_pages", 0) >= 4:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await idle_stats(eng)
+        again = await eng.complete(prompt, **_sampling("greedy", 0))
+    async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await eng.complete(prompt, **_sampling("greedy", 0))
+    assert again.token_ids == fresh.token_ids
+    assert again.usage.cached_tokens >= 4 * PAGE
+
+
+async def test_resumed_equals_fresh_with_ngram_drafting(tiny_llama) -> None:  # noqa: ANN001
+    drafted = dict(OPTIONS, drafter="ngram", draft_tokens=3)
+    async with Engine(tiny_llama, **drafted) as eng:
+        resumed = await _chat(eng, 3, "greedy", seed=9)
+    async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat(eng, 3, "greedy", seed=9)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[2][1] > 0
+
+
+async def test_cache_salt_keeps_tenants_apart(tiny_llama) -> None:  # noqa: ANN001
+    prompt = _tokens(8, 40)
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        await eng.complete(prompt, cache_salt="a", max_tokens=2)
+        other = await eng.complete(prompt, cache_salt="b", max_tokens=2)
+        same = await eng.complete(prompt, cache_salt="a", max_tokens=2)
+        with pytest.raises(BadInputError, match="cache_salt"):
+            eng.stream(prompt, cache_salt="")
+    assert other.usage.cached_tokens == 0 and same.usage.cached_tokens == 36
+
+
+async def test_no_prefix_cache_without_paging(tiny_llama) -> None:  # noqa: ANN001
+    async with Engine(tiny_llama, **OPTIONS, paging=False) as eng:
+        first = await eng.complete(_tokens(2, 30), max_tokens=2)
+        second = await eng.complete(_tokens(2, 30), max_tokens=2)
+        assert "cached_pages" not in eng.stats()
+    assert first.token_ids == second.token_ids and second.usage.cached_tokens == 0
+
+
+# ---- no round writes a cached page (and a mutation that does is caught) ---------------------
+def _writes_to_cached_pages(plans: list[tuple[RoundPlan, set[int]]]) -> list[tuple[int, int]]:
+    """(lane, page) pairs where a round wrote KV rows into a page cached before the round."""
+    bad = []
+    for plan, cached in plans:
+        for rows in plan.rows:
+            table = plan.block_tables[rows.lane]
+            written = {table[pos // PAGE] for pos in range(rows.start_pos,
+                                                           rows.start_pos + len(rows.token_ids))}
+            bad += [(rows.lane, page) for page in written & cached]
+    return bad
+
+
+async def _plans_of_a_shared_chat(eng: Engine) -> list[tuple[RoundPlan, set[int]]]:
+    seen: list[tuple[RoundPlan, set[int]]] = []
+    plans = record_plans(eng)
+    cache = eng.parts.scheduler.runs.cache
+    schedule = eng.parts.scheduler.schedule
+
+    def spy() -> RoundPlan:
+        plan = schedule()
+        seen.append((plan, {p for p in range(eng.parts.scheduler.runs.num_pages_total)
+                            if cache.is_cached(p)}))
+        return plan
+
+    eng.parts.scheduler.schedule = spy  # type: ignore[method-assign]
+    await asyncio.gather(_chat(eng, 3, "greedy"), _shared_prefix(eng, 4, "greedy"))
+    assert plans
+    return seen
+
+
+async def test_no_round_writes_a_cached_page(tiny_llama) -> None:  # noqa: ANN001
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) == []
+
+
+async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama) -> None:  # noqa: ANN001
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        seen = await _plans_of_a_shared_chat(eng)
+    held: dict[int, set[int]] = {}
+    shared = 0
+    for plan, cached in seen:
+        for lane, pages in plan.block_tables.items():
+            gained = set(pages) - held.get(lane, set())
+            assert gained <= set(plan.pages_to_zero) | cached, (lane, gained, plan.pages_to_zero)
+            assert not set(plan.pages_to_zero) & cached  # a cached page is never zeroed
+            shared += len(gained & cached)
+            held[lane] = set(pages)
+    assert shared > 0
+
+
+async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+    def publish_too_early(self: Scheduler, seq: Any) -> None:  # a partial page offered as full
+        if self.runs.cache is None or seq.lane is None:
+            return
+        upto = -(-seq.num_computed // PAGE)
+        for i in range(seq.num_published, min(upto, len(self.runs.pages(seq.lane)))):
+            self.runs.publish(seq.lane, i, self._page_key(seq, i), self._page_tokens(seq, i))
+        seq.num_published = max(seq.num_published, upto)
+
+    monkeypatch.setattr(Scheduler, "_publish_pages", publish_too_early)
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) != []
+
+
+async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(tiny_llama) -> None:  # noqa: ANN001
+    prompt = _tokens(4, 23)
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        await eng.complete(prompt, max_tokens=1)  # finishes in the round of its one prompt step
+        again = await eng.complete(prompt, max_tokens=1)
+    assert again.usage.cached_tokens == 20
+
+
+# ---- hybrids: resume from a recurrent state kept at a page boundary -------------------------
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.baseline_models import TINY_MODELS
+    from tf_async.models.loader import load_checkpoint
+
+    return {name: load_checkpoint(TINY_MODELS[name](tmp_path_factory.mktemp(name)))
+            for name in ("qwen3_5-mlx4", "qwen3_5_moe-bf16")}
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-mlx4", "qwen3_5_moe-bf16"])
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+async def test_hybrid_resumed_chat_equals_fresh(hybrids, name, drafter) -> None:  # noqa: ANN001
+    options = {**OPTIONS, "drafter": drafter, "draft_tokens": 3}
+    for mode in ("greedy", "seeded"):
+        async with Engine(hybrids[name], **options) as eng:
+            resumed = await _chat(eng, 3, mode, seed=4)
+            stats = await idle_stats(eng)
+        async with Engine(hybrids[name], **OPTIONS, prefix_cache=False) as eng:
+            fresh = await _chat(eng, 3, mode, seed=4)
+        assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+        assert all(cached > 0 for _, cached in resumed[1:]), resumed
+        assert stats["prefix_states_resumed"] >= 2 and stats["prefix_state_bytes"] > 0
+
+
+async def test_hybrid_streams_sharing_a_prefix_equal_fresh(hybrids) -> None:  # noqa: ANN001
+    ckpt = hybrids["qwen3_5-mlx4"]
+
+    async def twice(eng: Engine) -> list[list[int]]:  # the second wave resumes the first's
+        return await _shared_prefix(eng, 4, "seeded") + await _shared_prefix(eng, 4, "seeded")
+
+    async with Engine(ckpt, **{**OPTIONS, "parallel": 4}) as eng:
+        shared = await twice(eng)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **{**OPTIONS, "parallel": 4}, prefix_cache=False) as eng:
+        fresh = await twice(eng)
+    assert shared == fresh and stats["prefix_states_resumed"] > 0
+
+
+async def test_a_resumed_hybrid_lane_starts_from_the_kept_state_not_zero(hybrids, monkeypatch) -> None:  # noqa: ANN001
+    """Mutation: resuming a lane from zero state instead of its kept state changes outputs."""
+    from tf_async.models.qwen35 import RecurrentStates
+
+    async with Engine(hybrids["qwen3_5-mlx4"], **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat(eng, 3, "greedy", seed=6)
+    monkeypatch.setattr(RecurrentStates, "resume", lambda self, slot, lane: self.zero(lane))
+    async with Engine(hybrids["qwen3_5-mlx4"], **OPTIONS) as eng:
+        broken = await _chat(eng, 3, "greedy", seed=6)
+    assert [ids for ids, _ in broken] != [ids for ids, _ in fresh]
+
+
+def test_serve_turns_the_cache_off_with_no_prefix_cache() -> None:
+    from tf_async.cli import _parser
+    from tf_async.server.cli import engine_from_args
+
+    for argv, want in (([], True), (["--no-prefix-cache"], False)):
+        assert engine_from_args(_parser().parse_args(["serve", *argv])).options["prefix_cache"] is want

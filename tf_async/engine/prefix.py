@@ -1,0 +1,143 @@
+"""Prefix cache: full KV pages shared read-only between runs, keyed by a chain of page keys.
+Integers only, like pages.py.
+
+A page's key hashes (the key of the page before it, the page's tokens); the first page's
+"before" is the cache's root, which hashes everything else that changes a page's KV (model,
+KV dtype and scales) and the request's cache salt. A page is published once every row of it
+holds committed KV; from then on no run writes it (a run writes rows >= num_computed, on pages
+past its shared prefix), so any run whose tokens give the same keys may read it.
+
+    page:     | held by runs (holders > 0) | idle: cached, no run (LRU order) | free |
+    publish:  run page  -> cached (held)
+    close:    held -> idle when its last holder closes (or free when never published)
+    evict:    idle (least recently used first) -> free, only when the pool runs short
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def root_key(engine_salt: bytes, cache_salt: str | None) -> bytes:
+    """The key before a stream's first page: the engine's KV identity and the request's salt."""
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    return hashlib.sha256(engine_salt + b"\x00" + salt).digest()[:16]
+
+
+def next_key(previous: bytes, tokens: tuple[int, ...]) -> bytes:
+    digest = hashlib.sha256(previous)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return digest.digest()[:16]
+
+
+@dataclass(slots=True)
+class _Entry:
+    page_id: int
+    tokens: tuple[int, ...]  # checked on every match: a hash collision is a miss, not a mix-up
+
+
+class PrefixCache:
+    """Cached pages by key; how many runs hold each; LRU order of the idle ones."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, _Entry] = {}
+        self._key_of: dict[int, bytes] = {}  # page id -> key
+        self._holders: dict[int, int] = {}  # cached page id -> runs holding it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.num_hit_pages = 0
+        self.num_missed_pages = 0
+        self.num_evictions = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def is_cached(self, page_id: int) -> bool:
+        return page_id in self._key_of
+
+    def lookup(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+        entry = self._by_key.get(key)
+        return entry.page_id if entry is not None and entry.tokens == tokens else None
+
+    def hold(self, page_id: int) -> None:
+        """A run takes a cached page (from idle, or already held by another run)."""
+        self._holders[page_id] += 1
+        self._idle.pop(page_id, None)
+
+    def drop(self, page_id: int) -> None:
+        """A run that held a cached page closes; the page goes idle with its last holder."""
+        self._holders[page_id] -= 1
+        if self._holders[page_id] == 0:
+            self._idle[page_id] = None
+
+    def publish(self, page_id: int, key: bytes, tokens: tuple[int, ...]) -> bool:
+        """Cache a run's full page (held by that run). False when the key is cached already
+        (the run's copy stays its own and is freed on close)."""
+        if key in self._by_key or page_id in self._key_of:
+            return False
+        self._by_key[key] = _Entry(page_id, tokens)
+        self._key_of[page_id] = key
+        self._holders[page_id] = 1
+        return True
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Forget up to `num_pages` idle pages, least recently used first; return their ids."""
+        evicted: list[int] = []
+        while self._idle and len(evicted) < num_pages:
+            page_id, _ = self._idle.popitem(last=False)
+            del self._by_key[self._key_of.pop(page_id)]
+            del self._holders[page_id]
+            evicted.append(page_id)
+        self.num_evictions += len(evicted)
+        return evicted
+
+    def stats(self) -> dict[str, int]:
+        return {"cached_pages": self.num_cached, "cached_pages_idle": self.num_idle,
+                "prefix_cache_hit_pages": self.num_hit_pages,
+                "prefix_cache_missed_pages": self.num_missed_pages,
+                "prefix_cache_evictions": self.num_evictions}
+
+
+class StateSlots:
+    """Hybrids: recurrent states kept at page boundaries, by the key of the page they follow.
+    Integers only: slot ids; the runner copies lane state <-> slot (RoundPlan.states_to_keep,
+    states_to_resume). A resumed stream needs its pages cached and the state after the last
+    of them. Slots are reused least recently used first."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self.num_kept = 0
+        self.num_resumed = 0
+
+    def lookup(self, key: bytes) -> int | None:
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._lru.move_to_end(slot)
+        return slot
+
+    def take(self, key: bytes) -> int | None:
+        """A slot for the state after the page of `key` (the least recently used one, its
+        old state forgotten), or None when that state is kept already."""
+        if key in self._slot_of or not self._lru:
+            return None
+        slot, _ = self._lru.popitem(last=False)
+        old = self._key_of.pop(slot, None)
+        if old is not None:
+            del self._slot_of[old]
+        self._slot_of[key], self._key_of[slot] = slot, key
+        self._lru[slot] = None
+        self.num_kept += 1
+        return slot
+
+    def stats(self) -> dict[str, int]:
+        return {"prefix_state_slots": self.num_slots, "prefix_states_kept": self.num_kept,
+                "prefix_states_resumed": self.num_resumed}
