@@ -187,3 +187,15 @@ async def test_logit_bias_and_min_tokens_keep_rows_independent(engine, client):
     assert together[0].choices[0].text == forced.choices[0].text
     assert [c.text for c in together[1:]] == [c.text for c in solo]
     await wait_idle(engine)
+
+
+async def test_a_refused_choice_cancels_its_siblings(tmp_path_factory):
+    async with open_engine(tmp_path_factory.mktemp("tiny_small_queue"), parallel=2, ctx=CTX,
+                           max_queue=1) as small, live_server(small) as url:
+        status, error = await post(url + "/v1/completions", {
+            "prompt": "Hello", "n": 4, "max_tokens": 32, "temperature": 1.0})
+        assert status == 429 and error["error"]["code"] == "queue_full"
+        await wait_idle(small)  # the three admitted choices were cancelled, lanes released
+        status, ok = await post(url + "/v1/completions", {"prompt": "Hello", "n": 3,
+                                                          "max_tokens": 4})
+        assert status == 200 and len(ok["choices"]) == 3

@@ -89,6 +89,8 @@ JSON_CASES = {
                                       "logit_bias"),
     "logit_bias id out of vocab": ("/v1/completions", comp(logit_bias={"99999": 1}), 400,
                                    "logit_bias"),
+    "logit_bias id out of vocab, n=3": ("/v1/completions",
+                                        comp(logit_bias={"99999": 1}, n=3), 400, "logit_bias"),
     "min_tokens over max_tokens": ("/v1/completions", comp(min_tokens=9), 400, "min_tokens"),
     "stream_options without stream": ("/v1/chat/completions",
                                       chat(stream=False, stream_options={"include_usage": True}),

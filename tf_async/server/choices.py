@@ -35,10 +35,15 @@ class ChoiceStreams:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def firsts(self) -> list[Delta]:
-        """The first delta of each choice, in index order (errors raised, all closed)."""
+        """The first delta of each choice, in index order (errors raised, all closed). All
+        choices are submitted at once, so their prompts share rounds."""
+        tasks = [asyncio.ensure_future(anext(stream)) for stream in self.streams]
         try:
-            return [await anext(stream) for stream in self.streams]
+            return list(await asyncio.gather(*tasks))
         except BaseException:
+            for task in tasks:  # one reader per stream: stop these before aclose() reads
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.aclose()
             raise
 
