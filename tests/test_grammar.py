@@ -1,5 +1,5 @@
 """Constrained decoding on the tiny engine: every output matches its grammar, and the gates
-hold with masks on (a row's mask depends on its own tokens only): concurrent == solo and
+hold with masks (and logit_bias, min_tokens, penalties) on (a row's mask depends on its own tokens only): concurrent == solo and
 drafted == plain (drafts verified under the mask), greedy and seeded; idle is empty."""
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ async def test_outputs_match_the_schema(tiny_llama_dir):
 
 async def test_concurrent_equals_solo_and_drafted_equals_plain(tiny_llama_dir):
     async def run(eng: Engine, together: bool, seeded: bool) -> list[list[int]]:
-        calls = [eng.complete(p, **sampling(i, seeded, i % 2 == 0)) for i, p in enumerate(PROMPTS)]
+        # even rows: a grammar; odd rows: logit_bias, min_tokens and penalties (host path too)
+        others = {"logit_bias": {7: 3.0, 11: -5.0}, "min_tokens": 5, "presence_penalty": 0.5}
+        calls = [eng.complete(p, **sampling(i, seeded, i % 2 == 0), **({} if i % 2 == 0 else others))
+                 for i, p in enumerate(PROMPTS)]
         if together:
             outs = await asyncio.gather(*calls)
         else:
