@@ -33,12 +33,16 @@ JSON_STYLE: JsonCompileOptions = {
     "item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+MAX_CACHED = 64
+
+
 class Grammars:
     """Compiles grammars for one tokenizer (its llguidance tokenizer made once, lazily)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: dict[GrammarSpec, llguidance.LLMatcher] = {}  # fresh matchers, LRU
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -49,17 +53,20 @@ class Grammars:
         return self._ll_tokenizer
 
     def mask_for(self, spec: GrammarSpec) -> TokenMask:
-        """A fresh mask state for one request; BadInputError names what is wrong."""
-        grammar = grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise BadInputError(f"invalid {spec.kind.replace('_', ' ')}: {error}", param=spec.param,
-                                code="invalid_grammar")
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        """A fresh mask state for one request; BadInputError names what is wrong. Compiled
+        grammars are kept (the last MAX_CACHED): n choices and repeated schemas copy one."""
+        matcher = self._compiled.pop(spec, None) or self._compile(spec)
+        self._compiled[spec] = matcher  # most recently used last
+        while len(self._compiled) > MAX_CACHED:
+            self._compiled.pop(next(iter(self._compiled)))
+        return TokenMask(matcher.deep_copy(), self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+
+    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise BadInputError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}",
                                 param=spec.param, code="invalid_grammar")
-        return TokenMask(matcher, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
+        return matcher
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -87,17 +94,17 @@ class TokenMask:
     def allowed(self) -> np.ndarray:
         """-> [V] bool: the tokens the grammar allows next (EOS once it is complete)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        allowed = np.unpackbits(bits, count=self.vocab_size, bitorder="little").view(bool)
         if not allowed.any():  # a failed or finished grammar: only the end remains
             allowed[self.eos_ids] = True
         return allowed
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """logits: [V] -> a copy with the tokens the grammar forbids at -inf."""
-        x = np.array(logits, dtype=np.float32, copy=True)
+        """logits: [V'] (V' >= V: padded rows too) -> a float32 copy with the tokens the
+        grammar forbids at -inf."""
+        x = np.full(len(logits), -np.inf, np.float32)
         allowed = self.allowed()
-        x[: len(allowed)][~allowed] = -np.inf
-        x[len(allowed):] = -np.inf  # padded vocabulary rows
+        np.copyto(x[: len(allowed)], logits[: len(allowed)], where=allowed, casting="unsafe")
         return x
 
     def consume(self, token: int) -> None:
