@@ -134,10 +134,16 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--only", default="", help="comma-separated schema numbers (0-based)")
+    parser.add_argument("--constrained-only", action="store_true", help="skip the tok/s ratio")
     args = parser.parse_args()
+    if args.only:
+        keep = {int(i) for i in args.only.split(",")}
+        SCHEMAS[:] = [s for i, s in enumerate(SCHEMAS) if i in keep]
     async with Engine(default_model_path(), device="cpu", parallel=args.parallel, ctx=2048) as engine:
         await engine.chat_complete([{"role": "user", "content": "hi"}], max_tokens=4)  # warm-up
-        free, free_s = await run(engine, args.max_tokens, args.parallel, constrained=False)
+        free, free_s = ([], 1.0) if args.constrained_only else await run(
+            engine, args.max_tokens, args.parallel, constrained=False)
         print(f"unconstrained run: {free_s:.0f} s", flush=True)
         fixed, fixed_s = await run(engine, args.max_tokens, args.parallel, constrained=True)
         print(f"constrained run: {fixed_s:.0f} s", flush=True)
@@ -147,7 +153,7 @@ async def main() -> None:
                 jsonschema.validate(json.loads(out.text), schema)
             except (ValueError, jsonschema.ValidationError) as exc:
                 failures.append((what, out.finish_reason, out.text[:120], str(exc)[:120]))
-        free_tps = sum(len(o.token_ids) for o in free) / free_s
+        free_tps = sum(len(o.token_ids) for o in free) / free_s or float("nan")
         fixed_tps = sum(len(o.token_ids) for o in fixed) / fixed_s
         print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}")
         for failure in failures:

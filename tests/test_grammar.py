@@ -81,3 +81,18 @@ async def test_bad_grammars_are_bad_input(tiny_llama_dir):
             with pytest.raises(BadInputError) as info:
                 await eng.complete("hi", max_tokens=4, grammar=spec)
             assert info.value.param == spec.param and "invalid" in info.value.message
+
+
+async def test_unbounded_schemas_get_bounds_that_keep_them_valid():
+    from tf_async.engine.grammar import MAX_STRING_CHARS, bounded_numbers
+
+    schema = {"type": "object", "properties": {
+        "x": {"type": "number"}, "n": {"type": "integer", "maximum": 3}, "s": {"type": "string"},
+        "e": {"type": "string", "enum": ["a"]}, "type": {"type": "string", "maxLength": 4}}}
+    out = bounded_numbers(schema)["properties"]
+    assert out["x"] == {"type": "number", "minimum": -1e15, "maximum": 1e15, "multipleOf": 1e-6}
+    assert out["n"] == {"type": "integer", "maximum": 3, "minimum": -1e15}
+    assert out["s"] == {"type": "string", "maxLength": MAX_STRING_CHARS}
+    assert out["e"] == schema["properties"]["e"] and out["type"] == schema["properties"]["type"]
+    free = bounded_numbers({"type": "object"})
+    jsonschema.validate({"a": [1, "b"], "c": {"d": None}}, free)  # nested values still allowed

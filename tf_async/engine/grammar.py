@@ -117,12 +117,23 @@ class TokenMask:
 
 NUMBER_BOUNDS = {"minimum": -1e15, "maximum": 1e15}
 DECIMALS = {"multipleOf": 1e-6}
+MAX_STRING_CHARS = 100  # a string's length where the schema sets no limit of its own
+_STRING_LIMITS = ("maxLength", "enum", "const", "pattern")
+_OBJECT_SHAPES = ("properties", "additionalProperties", "patternProperties", "$ref", "anyOf",
+                  "oneOf", "allOf", "enum", "const")
+_SCALAR = {"anyOf": [{"type": "string", "maxLength": MAX_STRING_CHARS},
+                     {"type": "number", **NUMBER_BOUNDS, **DECIMALS}, {"type": "boolean"},
+                     {"type": "null"}]}
+_FLAT = {"anyOf": [*_SCALAR["anyOf"], {"type": "array", "items": _SCALAR, "maxItems": 16},
+                   {"type": "object", "additionalProperties": _SCALAR, "maxProperties": 16}]}
+FREE_OBJECT = {"additionalProperties": _FLAT, "maxProperties": 16}
 
 
 def bounded_numbers(schema: Any) -> Any:
-    """The schema with numbers kept to |x| <= 1e15 and 6 decimals where it sets no bounds or
-    step of its own: every value still matches the schema, and a small model can no longer
-    write digits forever (its usual failure under a JSON grammar)."""
+    """The schema with numbers kept to |x| <= 1e15 and 6 decimals, and strings to
+    MAX_STRING_CHARS, where it sets no bounds of its own: every value still matches the
+    schema, and a small model can no longer write digits or words forever (its usual
+    failure under a JSON grammar)."""
     if isinstance(schema, list):
         return [bounded_numbers(item) for item in schema]
     if not isinstance(schema, dict):
@@ -136,4 +147,8 @@ def bounded_numbers(schema: Any) -> Any:
                 out[key] = value
     if "number" in kinds and "multipleOf" not in out:
         out |= DECIMALS
+    if "string" in kinds and not any(key in out for key in _STRING_LIMITS):
+        out["maxLength"] = MAX_STRING_CHARS
+    if kinds == ["object"] and not any(key in out for key in _OBJECT_SHAPES):
+        out |= FREE_OBJECT  # json_object: any object, two levels deep, bounded
     return out
