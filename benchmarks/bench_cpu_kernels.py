@@ -18,7 +18,7 @@ import numpy as np
 
 from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
-from tf_async.models.weights import AffineWeight, Linear, quantize_affine
+from tf_async.backend.weights import AffineWeight, Linear, quantize_affine
 
 SHAPES = [  # (out_features, in_features, bits): SmolLM2-135M projections and the 8-bit lm_head
     (576, 1536, 4),

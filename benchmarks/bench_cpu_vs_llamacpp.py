@@ -79,7 +79,7 @@ def bench_transformers(path: str, ids: list[int], decode: int, threads: int) -> 
     return prefill, (decode - 1) / (time.perf_counter() - t0)
 
 
-def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: ANN001, ANN202, N803
+def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: N803
     from tf_async.models.checkpoint import dense_hf_state
     from tf_async.models.loader import load_checkpoint
 

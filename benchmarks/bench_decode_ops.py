@@ -15,17 +15,17 @@ from graph_timing import graph_seconds
 LAYERS, H, NH, NKV, HD, PAGE = 36, 4096, 32, 8, 128, 16
 
 
-def graph_us(cp, fn) -> float:  # noqa: ANN001
+def graph_us(cp, fn) -> float:
     """Microseconds per call of fn(layer) for LAYERS calls captured in one graph."""
 
-    def record(stream) -> None:  # noqa: ANN001 - the ops launch on CuPy's current stream
+    def record(stream) -> None:  # the ops launch on CuPy's current stream
         for layer in range(LAYERS):
             fn(layer)
 
     return graph_seconds(cp, record, replays=20) * 1e6 / LAYERS
 
 
-def context_ops(ops, rows: int, ctx: int, qkv, norm, inv_freq) -> list:  # noqa: ANN001
+def context_ops(ops, rows: int, ctx: int, qkv, norm, inv_freq) -> list:
     cp = ops.xp
     pages = -(-ctx // PAGE)
     kv = ops.alloc_kv(LAYERS, pages * PAGE * rows, NKV, HD, "bf16")

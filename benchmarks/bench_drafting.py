@@ -53,7 +53,7 @@ def reject_all(eng: Engine) -> None:
     drafter = eng.parts.scheduler.drafter
     bad = eng.parts.vocab_size - 1
 
-    def propose(seq, limit):  # noqa: ANN001, ANN202
+    def propose(seq, limit):
         return (bad,) * min(limit, drafter.draft_tokens) if drafter.is_open(seq) else ()
 
     drafter.propose = propose

@@ -50,7 +50,7 @@ class Row:
         return self.parallel / (self.graph_ms / 1e3)
 
 
-def copy_bandwidth(cp, num_bytes: int = 4 << 30) -> float:  # noqa: ANN001
+def copy_bandwidth(cp, num_bytes: int = 4 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     src = cp.random.random(num_bytes // 4, dtype=cp.float32)
     dst = cp.empty_like(src)
@@ -67,9 +67,9 @@ def copy_bandwidth(cp, num_bytes: int = 4 << 30) -> float:  # noqa: ANN001
     return 2 * src.nbytes / float(np.median(times))
 
 
-def affine_weight(cp, out_f: int, in_f: int):  # noqa: ANN001, ANN201
+def affine_weight(cp, out_f: int, in_f: int):
     """Random 4-bit affine weight on the device, entries ~ uniform with std ~ 1/sqrt(in_f)."""
-    from tf_async.models.weights import AffineWeight
+    from tf_async.backend.weights import AffineWeight
 
     words, groups = in_f // 8, in_f // GROUP_SIZE
     codes = (cp.random.random((out_f, words), dtype=cp.float64) * 2.0**32).astype(cp.uint32)
@@ -78,9 +78,9 @@ def affine_weight(cp, out_f: int, in_f: int):  # noqa: ANN001, ANN201
     return AffineWeight(codes, scales, (-7.5 * scales).astype(cp.float32), 4, GROUP_SIZE)
 
 
-def to_bf16(cp, w):  # noqa: ANN001, ANN201
+def to_bf16(cp, w):
     """The affine weight dequantized and rounded to bf16 bits (DenseWeight of uint16)."""
-    from tf_async.models.weights import DenseWeight
+    from tf_async.backend.weights import DenseWeight
 
     out_f, words = w.codes.shape
     shifts = cp.arange(8, dtype=cp.uint32) * 4
@@ -95,7 +95,7 @@ def to_bf16(cp, w):  # noqa: ANN001, ANN201
     return DenseWeight(res)
 
 
-def random_model(cp, num_layers: int):  # noqa: ANN001, ANN201
+def random_model(cp, num_layers: int):
     """(ModelConfig, 4-bit ModelWeights) with every matrix drawn on the device."""
     from tf_async.models.checkpoint import LayerWeights, ModelWeights
     from tf_async.models.config import ModelConfig
@@ -120,7 +120,7 @@ def random_model(cp, num_layers: int):  # noqa: ANN001, ANN201
     return cfg, weights
 
 
-def bf16_model(cp, weights):  # noqa: ANN001, ANN201
+def bf16_model(cp, weights):
     from dataclasses import replace
 
     from tf_async.models.checkpoint import ModelWeights
@@ -131,12 +131,12 @@ def bf16_model(cp, weights):  # noqa: ANN001, ANN201
                         final_norm=weights.final_norm, layers=layers)
 
 
-def linear_bytes(w) -> int:  # noqa: ANN001
+def linear_bytes(w) -> int:
     parts = (w.codes, w.scales, w.biases) if hasattr(w, "codes") else (w.w,)
     return sum(int(p.nbytes) for p in parts)
 
 
-def round_bytes(weights, cfg, kv_itemsize: int, contexts: list[int]) -> int:  # noqa: ANN001
+def round_bytes(weights, cfg, kv_itemsize: int, contexts: list[int]) -> int:
     """Bytes a decode round must read: every weight once, one embedding row per stream, and
     each stream's K and V of every layer."""
     total = linear_bytes(weights.lm_head) + 4 * cfg.hidden_size
@@ -148,7 +148,7 @@ def round_bytes(weights, cfg, kv_itemsize: int, contexts: list[int]) -> int:  # 
     return total + per_token * sum(contexts)
 
 
-def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):  # noqa: ANN001, ANN201
+def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):
     """ForwardBatch of (lane, start_pos, token ids); lane i owns pages [i*P, (i+1)*P).
     Packed and uploaded in one copy (as the engine's runner does)."""
     from tf_async.models.batch_io import pack_batch
@@ -166,7 +166,7 @@ def make_batch(ops, streams, pages_per_lane: int, all_logits: bool):  # noqa: AN
                       logit_rows=logit_rows, page_size=PAGE_SIZE)
 
 
-def forward(decoder, arena, ops, batch):  # noqa: ANN001, ANN201
+def forward(decoder, arena, ops, batch):
     """decoder.forward as the engine's runner calls it: the round's indices checked once on
     the packed host copy, the ops without their per-op device checks (each a host sync)."""
     from tf_async.models.batch_io import check_indices, packed_of
@@ -178,7 +178,7 @@ def forward(decoder, arena, ops, batch):  # noqa: ANN001, ANN201
         return decoder.forward(batch, arena.kv, arena.kv_scales)
 
 
-def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lane: int) -> list[int]:  # noqa: ANN001, E501
+def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lane: int) -> list[int]:  # noqa: E501
     batch = make_batch(ops, [(i, pos, [t]) for i, t in enumerate(tokens)], pages_per_lane, True)
     logits, _ = forward(decoder, arena, ops, batch)
     in_graph = getattr(decoder, "argmax_of", None)  # as the runner: the graph's own argmax
@@ -186,7 +186,7 @@ def decode_round(decoder, arena, ops, tokens: list[int], pos: int, pages_per_lan
     return ops.to_host(ops.argmax(logits) if greedy is None else greedy).tolist()
 
 
-def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidth: float) -> Row:  # noqa: ANN001, E501
+def bench_parallel(name, cfg, decoder, graph, ops, args, parallel: int, bandwidth: float) -> Row:  # noqa: E501
     from tf_async.engine.runner import Arena
 
     cp = ops.xp
@@ -254,7 +254,7 @@ def profile_host(count: int, round_fn: Callable[[list[int], int], list[int]], to
 STEP_ROUNDS = 6
 
 
-def runner_rounds(graph, arena, tokens: list[int], pos: int, pages_per_lane: int,  # noqa: ANN001
+def runner_rounds(graph, arena, tokens: list[int], pos: int, pages_per_lane: int,
                   steps: int) -> tuple[list[int], int, float]:
     """Greedy decode rounds through the engine's Runner (RoundPlan.steps = `steps`: the tokens
     fed on the device between steps): one warm-up round, then STEP_ROUNDS timed; -> (last
@@ -280,7 +280,7 @@ def runner_rounds(graph, arena, tokens: list[int], pos: int, pages_per_lane: int
     return tokens, pos, 1e3 * float(np.median(times[1:])) / steps
 
 
-def replay_seconds(cp, graph, count: int = 20) -> float:  # noqa: ANN001
+def replay_seconds(cp, graph, count: int = 20) -> float:
     """GPU time of one replay of the latest captured graph (replays back to back, events)."""
     cap = list(graph._graphs.values())[-1]
     start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -294,7 +294,7 @@ def replay_seconds(cp, graph, count: int = 20) -> float:  # noqa: ANN001
     return cp.cuda.get_elapsed_time(start, stop) / 1e3 / count
 
 
-def bench_model(name, cfg, weights, ops, args, bandwidth: float) -> list[Row]:  # noqa: ANN001
+def bench_model(name, cfg, weights, ops, args, bandwidth: float) -> list[Row]:
     from tf_async.models.checkpoint import Checkpoint
     from tf_async.models.decoder import Decoder
     from tf_async.models.graph_decoder import GraphDecoder
@@ -310,7 +310,7 @@ def bench_model(name, cfg, weights, ops, args, bandwidth: float) -> list[Row]:  
     return rows
 
 
-def torch_decode_tps(cp, cfg, weights, args) -> tuple[float, str]:  # noqa: ANN001
+def torch_decode_tps(cp, cfg, weights, args) -> tuple[float, str]:
     """transformers Qwen3 (bf16, the same bf16 weights) batch-1 greedy decode tokens/s."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -340,7 +340,7 @@ def torch_decode_tps(cp, cfg, weights, args) -> tuple[float, str]:  # noqa: ANN0
     return float("nan"), "failed"
 
 
-def timed_generate(torch, model, ids, new_tokens: int, cache: str) -> float:  # noqa: ANN001
+def timed_generate(torch, model, ids, new_tokens: int, cache: str) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -350,8 +350,8 @@ def timed_generate(torch, model, ids, new_tokens: int, cache: str) -> float:  # 
     return time.perf_counter() - t0
 
 
-def load_torch_weights(torch, model, weights) -> None:  # noqa: ANN001
-    def t(array):  # noqa: ANN001, ANN202
+def load_torch_weights(torch, model, weights) -> None:
+    def t(array):
         if isinstance(array, np.ndarray):
             return torch.from_numpy(array).to("cuda", torch.bfloat16)
         return torch.from_dlpack(array).view(torch.bfloat16)

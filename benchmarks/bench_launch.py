@@ -16,7 +16,7 @@ import statistics
 import time
 
 
-def per_call_us(fn, calls: int = 200, batches: int = 7) -> float:  # noqa: ANN001
+def per_call_us(fn, calls: int = 200, batches: int = 7) -> float:
     import cupy as cp
 
     fn()
@@ -43,7 +43,7 @@ def main() -> None:
     w = cp.ones(4096, cp.float32)
 
     @cuda.jit
-    def touch(a, b, c, d, e, f):  # noqa: ANN001, ANN202 - six arrays, like a matmul launch
+    def touch(a, b, c, d, e, f):  # six arrays, like a matmul launch
         if cuda.grid(1) == 0:
             a[0, 0] = b[0] + c[0, 0] + d[0, 0] + e[0, 0] + f[0, 0]
 

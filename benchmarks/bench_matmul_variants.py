@@ -25,7 +25,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 WORKING_SET = 400 << 20  # bytes of weight copies per measurement (~8x the H200's L2)
 
 
-def weight_copies(cp, kind: str, out_f: int, in_f: int):  # noqa: ANN001, ANN201
+def weight_copies(cp, kind: str, out_f: int, in_f: int):
     per_word = 8 if kind == "q4" else 2
     one = out_f * in_f // per_word * 4 * (1.125 if kind == "q4" else 1)
     copies = []
@@ -40,7 +40,7 @@ def weight_copies(cp, kind: str, out_f: int, in_f: int):  # noqa: ANN001, ANN201
     return copies, sum(int(p.nbytes) for p in copies[0])
 
 
-def time_variant(cp, cuda, kind, variant, copies, rows: int, in_f: int, out_f: int) -> float:  # noqa: ANN001
+def time_variant(cp, cuda, kind, variant, copies, rows: int, in_f: int, out_f: int) -> float:
     from cuda_kernels import matmul as mm
     from cuda_kernels.launch import _go
 
@@ -53,7 +53,7 @@ def time_variant(cp, cuda, kind, variant, copies, rows: int, in_f: int, out_f: i
     dev = [cuda.as_cuda_array(a, sync=False) for a in (x, ids, out)]
     weights = [[cuda.as_cuda_array(a, sync=False) for a in parts] for parts in copies]
 
-    def launch_all(stream) -> None:  # noqa: ANN001
+    def launch_all(stream) -> None:
         nstream = cuda.external_stream(stream.ptr)
         for w, s, b in weights:
             _go(kernel, grid, block, nstream, dev[0], w, s, b, dev[1], dev[2])
@@ -61,11 +61,11 @@ def time_variant(cp, cuda, kind, variant, copies, rows: int, in_f: int, out_f: i
     return graph_seconds(cp, launch_all) / len(copies)
 
 
-def launch_cost(cp, cuda, count: int = 400) -> float:  # noqa: ANN001
+def launch_cost(cp, cuda, count: int = 400) -> float:
     """Seconds per node of a graph of `count` dependent tiny launches."""
 
     @cuda.jit
-    def bump(a):  # noqa: ANN001, ANN202
+    def bump(a):
         i = cuda.grid(1)
         if i < a.shape[0]:
             a[i] += 1.0
@@ -73,7 +73,7 @@ def launch_cost(cp, cuda, count: int = 400) -> float:  # noqa: ANN001
     a = cp.zeros(256, cp.float32)
     da = cuda.as_cuda_array(a, sync=False)
 
-    def launch_all(stream) -> None:  # noqa: ANN001
+    def launch_all(stream) -> None:
         nstream = cuda.external_stream(stream.ptr)
         for _ in range(count):
             bump[1, 256, nstream](da)
@@ -81,7 +81,7 @@ def launch_cost(cp, cuda, count: int = 400) -> float:  # noqa: ANN001
     return graph_seconds(cp, launch_all) / count
 
 
-def candidates(rows: int) -> list:  # noqa: ANN201
+def candidates(rows: int) -> list:
     from cuda_kernels import matmul as mm
 
     out = []
@@ -95,7 +95,7 @@ def candidates(rows: int) -> list:  # noqa: ANN201
     return out
 
 
-def label(v) -> str:  # noqa: ANN001
+def label(v) -> str:
     return f"({v.warps},{v.feats},{v.unroll:2d},a{v.ahead})"
 
 

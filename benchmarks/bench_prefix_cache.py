@@ -72,6 +72,8 @@ async def main() -> None:
         for cache in (True, False) if run % 2 == 0 else (False, True):
             ttft[cache].append(await resumed_chat(args.device, cache, run))
             rate[cache].append(await shared_system(args.device, cache, run))
+            print(f"run {run} cache={cache}: turn-2 TTFT {ttft[cache][-1]:.3f} s, "
+                  f"8 streams {rate[cache][-1]:.0f} tok/s", flush=True)
     med = {k: statistics.median(v) for k, v in ttft.items()}
     agg = {k: statistics.median(v) for k, v in rate.items()}
     print(f"{'case':<44} {'cache':>10} {'no cache':>10} {'ratio':>7}")

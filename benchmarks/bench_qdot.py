@@ -18,7 +18,7 @@ from bench_matmul_variants import SHAPES, time_variant, weight_copies
 from graph_timing import graph_seconds
 
 
-def qdot_variants(rows: int, out_f: int) -> list:  # noqa: ANN201
+def qdot_variants(rows: int, out_f: int) -> list:
     """The planned variant of this shape first, then the candidates."""
     from cuda_kernels import matmul as mm
     from cuda_kernels import qdot
@@ -35,7 +35,7 @@ def qdot_variants(rows: int, out_f: int) -> list:  # noqa: ANN201
     return out
 
 
-def quantized(cp, cuda, x, kind: str = "q4"):  # noqa: ANN001, ANN201
+def quantized(cp, cuda, x, kind: str = "q4"):
     from cuda_kernels import qdot
     from cuda_kernels.launch import _go
 
@@ -45,13 +45,13 @@ def quantized(cp, cuda, x, kind: str = "q4"):  # noqa: ANN001, ANN201
     dev = [cuda.as_cuda_array(a, sync=False) for a in (x, xq, xs)]
     grid, block = qdot.quantize_shape(rows, k)
 
-    def run(nstream) -> None:  # noqa: ANN001
+    def run(nstream) -> None:
         _go(qdot.quantize_rows, grid, block, nstream, dev[0], kind == "q4", dev[1], dev[2])
 
     return xq, xs, run
 
 
-def time_qdot(cp, cuda, variant, copies, x, out_f: int) -> tuple[float, float, object]:  # noqa: ANN001
+def time_qdot(cp, cuda, variant, copies, x, out_f: int) -> tuple[float, float, object]:
     from cuda_kernels import matmul as mm
     from cuda_kernels import qdot
     from cuda_kernels.launch import _go
@@ -65,7 +65,7 @@ def time_qdot(cp, cuda, variant, copies, x, out_f: int) -> tuple[float, float, o
     dev = [cuda.as_cuda_array(a, sync=False) for a in (xq.view(cp.uint32), xs, ids, out)]
     weights = [[cuda.as_cuda_array(a, sync=False) for a in parts] for parts in copies]
 
-    def launch_all(stream) -> None:  # noqa: ANN001
+    def launch_all(stream) -> None:
         nstream = cuda.external_stream(stream.ptr)
         quant(nstream)
         for w, s, b in weights:
@@ -73,7 +73,7 @@ def time_qdot(cp, cuda, variant, copies, x, out_f: int) -> tuple[float, float, o
 
     total = graph_seconds(cp, launch_all) / len(copies)
 
-    def quant_all(stream) -> None:  # noqa: ANN001
+    def quant_all(stream) -> None:
         nstream = cuda.external_stream(stream.ptr)
         for _ in range(len(copies)):
             quant(nstream)
@@ -81,7 +81,7 @@ def time_qdot(cp, cuda, variant, copies, x, out_f: int) -> tuple[float, float, o
     return total, graph_seconds(cp, quant_all) / len(copies), out
 
 
-def errors(cp, cuda, copies, x, out_f: int, variant) -> tuple[float, float]:  # noqa: ANN001
+def errors(cp, cuda, copies, x, out_f: int, variant) -> tuple[float, float]:
     """Relative errors against float64 of the f32 kernel and of the qdot kernel (copy 0)."""
     from cuda_kernels import launch
 

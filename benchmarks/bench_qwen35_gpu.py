@@ -84,10 +84,10 @@ def memory_report(parallel: int, contexts: list[int]) -> None:
 
 
 # ---- 2. random MLX 4-bit weights on the device ----------------------------------------------
-def affine(xp, out_f: int, in_f: int, bits: int = 4, experts: int = 0):  # noqa: ANN001, ANN201
+def affine(xp, out_f: int, in_f: int, bits: int = 4, experts: int = 0):
     """Random affine weight drawn with xp (CuPy: on the device), entries ~ zero mean with
     std ~ 1/sqrt(in_f); stacked [experts, out_f, ...] when `experts`."""
-    from tf_async.models.weights import AffineWeight
+    from tf_async.backend.weights import AffineWeight
 
     lead = (experts,) if experts else ()
     words, groups = in_f * bits // 32, in_f // GROUP_SIZE
@@ -102,14 +102,14 @@ def affine(xp, out_f: int, in_f: int, bits: int = 4, experts: int = 0):  # noqa:
 class Draw:
     """Weights of one hybrid shape: matrices on the device, vectors on the host."""
 
-    def __init__(self, cp, hybrid: HybridConfig):  # noqa: ANN001
+    def __init__(self, cp, hybrid: HybridConfig):
         self.cp, self.hybrid, self.cfg = cp, hybrid, hybrid.kv_config
         self.rng = np.random.default_rng(0)
 
     def norm(self, dim: int) -> np.ndarray:  # N1 form (1 + w folded)
         return (1.0 + 0.05 * self.rng.standard_normal(dim)).astype(np.float32)
 
-    def attention(self):  # noqa: ANN201
+    def attention(self):
         from tf_async.models.qwen35 import GatedAttentionWeights
 
         cp, c = self.cp, self.cfg
@@ -118,7 +118,7 @@ class Draw:
                                      affine(cp, kv_out, H), affine(cp, H, q_out),
                                      self.norm(c.head_dim), self.norm(c.head_dim))
 
-    def deltanet(self):  # noqa: ANN201
+    def deltanet(self):
         from tf_async.models.qwen35 import DeltaNetWeights
 
         cp, hyb, H = self.cp, self.hybrid, self.cfg.hidden_size
@@ -130,7 +130,7 @@ class Draw:
             np.log(self.rng.uniform(1, 16, hv)).astype(np.float32),
             np.zeros(hv, np.float32), self.norm(hyb.linear_value_head_dim), affine(cp, H, vdim))
 
-    def ffn(self):  # noqa: ANN201
+    def ffn(self):
         from tf_async.models.qwen35 import DenseFfnWeights, MoeFfnWeights
 
         cp, c, H = self.cp, self.cfg, self.cfg.hidden_size
@@ -145,7 +145,7 @@ class Draw:
             affine(cp, shared, H), affine(cp, shared, H), affine(cp, H, shared),
             affine(cp, 1, H, bits=8))
 
-    def layer(self, kind: str):  # noqa: ANN201
+    def layer(self, kind: str):
         from tf_async.models.qwen35 import FULL_ATTENTION, HybridLayerWeights
 
         mixer = self.attention() if kind == FULL_ATTENTION else self.deltanet()
@@ -153,7 +153,7 @@ class Draw:
         return HybridLayerWeights(kind, self.norm(H), self.norm(H), mixer, self.ffn())
 
 
-def random_checkpoint(xp, name: str):  # noqa: ANN001, ANN201
+def random_checkpoint(xp, name: str):
     """A Checkpoint of the shape, MLX 4-bit, with an MTP layer, drawn on the device."""
     from tf_async.models.checkpoint import Checkpoint
     from tf_async.models.qwen35 import FULL_ATTENTION, HybridWeights, MtpWeights
@@ -209,13 +209,13 @@ class ForcedDrafts:
     """The engine's MTP drafter runs as usual (its k steps cost the same); its drafts are then
     replaced by the target's own next tokens (`full`) or by wrong ones (zero acceptance)."""
 
-    def __init__(self, inner, truth: dict[tuple[int, ...], list[int]], full: bool, vocab: int):  # noqa: ANN001
+    def __init__(self, inner, truth: dict[tuple[int, ...], list[int]], full: bool, vocab: int):
         self.inner, self.truth, self.full, self.vocab = inner, truth, full, vocab
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the Drafter interface
+    def __getattr__(self, name: str):  # the rest of the Drafter interface
         return getattr(self.inner, name)
 
-    def propose(self, seq, limit: int) -> tuple[int, ...]:  # noqa: ANN001
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
         self.inner.propose(seq, limit)  # the MTP's k steps run (and keep its ring in sync)
         count = min(limit, self.inner.draft_tokens)
         if count <= 0:
@@ -237,7 +237,7 @@ class Run:
     memory: dict[str, Any]
 
 
-async def timed_generate(eng, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, int, list]:  # noqa: ANN001, E501
+async def timed_generate(eng, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, int, list]:  # noqa: E501
     """(decode seconds, tokens in the window, rounds in the window, outputs): the window starts
     when every stream has its first token (prefill done)."""
     stamps: list[list[float]] = [[] for _ in prompts]
@@ -262,7 +262,7 @@ async def timed_generate(eng, prompts: list[list[int]], max_tokens: int) -> tupl
     return t1 - t0, window, int(eng.stats()["rounds"]) - start_rounds[0], outs
 
 
-async def decode_run(ckpt, name: str, streams: int, mode: str, args, truth) -> Run:  # noqa: ANN001
+async def decode_run(ckpt, name: str, streams: int, mode: str, args, truth) -> Run:
     """One engine, `streams` random prompts at once; mode plain | mtp | forced-full |
     forced-zero (forced modes need `truth`, the plain outputs of the same prompts)."""
     from tf_async import Engine
@@ -287,7 +287,7 @@ async def decode_run(ckpt, name: str, streams: int, mode: str, args, truth) -> R
                outs, memory)
 
 
-async def bench_model(cp, name: str, args) -> list[Run]:  # noqa: ANN001
+async def bench_model(cp, name: str, args) -> list[Run]:
     t = time.perf_counter()
     ckpt = random_checkpoint(cp, name)
     print(f"{name}: weights {weight_bytes(ckpt.weights) / 2**30:.1f} GiB drawn in "

@@ -65,7 +65,7 @@ def make_kernel(  # noqa: C901, PLR0913
     buffers: int = 1,
     prep: int = 0,
     regs: int = 0,
-):  # noqa: ANN201
+):
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -82,14 +82,14 @@ def make_kernel(  # noqa: C901, PLR0913
         "ld.global.nc.L1::no_allocate.v4.u32", 4, "r", types.UniTuple(types.uint32, 4)
     )
 
-    def _i32(builder, val):  # noqa: ANN001, ANN202
+    def _i32(builder, val):
         if val.type.width > 32:
             return builder.trunc(val, ir.IntType(32))
         return builder.zext(val, ir.IntType(32)) if val.type.width < 32 else val
 
     @intrinsic
-    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):  # noqa: ANN001, ANN202
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def codegen(context, builder, sig, args):
             f32 = ir.FloatType()
             out = ir.LiteralStructType([f32] * 4)
             text = (
@@ -106,10 +106,10 @@ def make_kernel(  # noqa: C901, PLR0913
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
 
     @intrinsic
-    def bf16x2(typingctx, hi, lo):  # noqa: ANN001, ANN202
+    def bf16x2(typingctx, hi, lo):
         """cvt.rn.bf16x2.f32: hi in the upper half, lo in the lower."""
 
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             fnty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
             asm = ir.InlineAsm(fnty, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
             return builder.call(asm, list(args))
@@ -117,10 +117,10 @@ def make_kernel(  # noqa: C901, PLR0913
         return types.uint32(hi, lo), codegen
 
     @intrinsic
-    def minus128(typingctx, v):  # noqa: ANN001, ANN202
+    def minus128(typingctx, v):
         """bf16x2 (128 + a, 128 + b) -> (a, b): fma(v, 1, -128) per half (exact)."""
 
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(i32, [i32] * 3)
             asm = ir.InlineAsm(fnty, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
@@ -130,7 +130,7 @@ def make_kernel(  # noqa: C901, PLR0913
         return types.uint32(v), codegen
 
     @cuda.jit(device=True)
-    def split3(hi_x, lo_x, parts, at):  # noqa: ANN001, ANN202
+    def split3(hi_x, lo_x, parts, at):
         # parts[at], parts[at + 2], parts[at + 4]: bf16x2 hi, mid, lo of (lo_x, hi_x);
         # x - part is exact in f32 at each step, so hi + mid + lo = x.
         for p in range(nparts):
@@ -140,7 +140,7 @@ def make_kernel(  # noqa: C901, PLR0913
             hi_x = hi_x - _bits_f32(v & np.uint32(0xFFFF0000))
 
     @cuda.jit(device=True)
-    def load_x(xr, gi, t, xv, at):  # noqa: ANN001, ANN202
+    def load_x(xr, gi, t, xv, at):
         # xv[at .. at + 15]: the lane's x of group gi (k-tile j: k 2t, 2t+1, 2t+8, 2t+9).
         for j in range(4):
             k0 = gi * GROUP + j * 16 + 2 * t
@@ -148,7 +148,7 @@ def make_kernel(  # noqa: C901, PLR0913
             xv[at + 4 * j + 2], xv[at + 4 * j + 3] = _ld_f32x2(xr, k0 + 8)
 
     @cuda.jit(device=True)
-    def prepare_x(xv, at, keep, bparts):  # noqa: ANN001, ANN202
+    def prepare_x(xv, at, keep, bparts):
         # From load_x's values: bparts = their bf16 parts (k-tile j: [6j .. 6j+5] = hi0 hi1
         # mid0 mid1 lo0 lo1), and the group's sum of x's row g (every lane of row g).
         part = np.float32(0.0)
@@ -163,7 +163,7 @@ def make_kernel(  # noqa: C901, PLR0913
         return part
 
     @cuda.jit(device=True)
-    def fetch(packed, ft0, gi0, lane, wn):  # noqa: ANN001, ANN202
+    def fetch(packed, ft0, gi0, lane, wn):
         # Every load of a step: unroll groups x feats tiles, 512 B each a warp.
         for u in range(unroll):
             for f in range(feats):
@@ -173,7 +173,7 @@ def make_kernel(  # noqa: C901, PLR0913
                 )
 
     @(cuda.jit(max_registers=regs) if regs else cuda.jit)
-    def kernel(x, xfrag, xsum, packed, scales, biases, out):  # noqa: ANN001, ANN202
+    def kernel(x, xfrag, xsum, packed, scales, biases, out):
         # x [rows <= 8, K] f32; packed [N/16, K/64, 128] u32; scales, biases [N, K/64] f32
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
@@ -263,7 +263,7 @@ def make_kernel(  # noqa: C901, PLR0913
                     out[row, feat] = total
 
     @cuda.jit
-    def prep_x(x, xfrag, xsum):  # noqa: ANN001, ANN202
+    def prep_x(x, xfrag, xsum):
         # grid (groups,), 32 threads: lane 4g + t writes its B fragments of group gi (x's row g,
         # 3 bf16 parts, 4 k-tiles: 24 words) and lane 4g writes the group's sum of row g, by
         # the kernel's own load_x and prepare_x.
@@ -285,7 +285,7 @@ def make_kernel(  # noqa: C901, PLR0913
     return kernel, prep_x
 
 
-def replay_each(cp, cuda, launch_one, copies: list, once: bool = False) -> float:  # noqa: ANN001
+def replay_each(cp, cuda, launch_one, copies: list, once: bool = False) -> float:
     """GPU seconds of one launch_one(stream, *copy), averaged over a graph of one per copy;
     once: launch_one on the first copy only, eagerly (nothing timed: for a profiler)."""
     if once:
@@ -293,7 +293,7 @@ def replay_each(cp, cuda, launch_one, copies: list, once: bool = False) -> float
         cp.cuda.get_current_stream().synchronize()
         return float("nan")
 
-    def record(stream) -> None:  # noqa: ANN001
+    def record(stream) -> None:
         ns = cuda.external_stream(stream.ptr)
         for parts in copies:
             launch_one(ns, *parts)
@@ -319,7 +319,7 @@ def main() -> None:  # noqa: C901
 
     from cuda_kernels import launch
     from cuda_kernels.launch import _go
-    from tf_async.models.weights import pack_codes
+    from tf_async.backend.weights import pack_codes
 
     rng = np.random.default_rng(0)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]

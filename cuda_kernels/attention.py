@@ -76,17 +76,17 @@ _chunk_keys = cuda.jit(device=True)(chunk_keys)
 
 
 @cuda.jit(device=True)
-def _load_f32(kv_layer, kind, slot, kv_head, d, scale):  # noqa: ANN001, ANN201
+def _load_f32(kv_layer, kind, slot, kv_head, d, scale):
     return kv_layer[kind, slot, kv_head, d]
 
 
 @cuda.jit(device=True)
-def _load_bf16(kv_layer, kind, slot, kv_head, d, scale):  # noqa: ANN001, ANN201
+def _load_bf16(kv_layer, kind, slot, kv_head, d, scale):
     return from_bf16_bits(kv_layer[kind, slot, kv_head, d])
 
 
 @cuda.jit(device=True)
-def _load_fp8(kv_layer, kind, slot, kv_head, d, scale):  # noqa: ANN001, ANN201
+def _load_fp8(kv_layer, kind, slot, kv_head, d, scale):
     return from_e4m3(kv_layer[kind, slot, kv_head, d]) * scale
 
 
@@ -103,13 +103,13 @@ if SIMULATOR:
     # is what the shuffles compute on a GPU, at 2 barriers instead of 10 per reduction.
     _LANES = np.arange(32)
 
-    def _warp_tree(values, op):  # noqa: ANN001, ANN202
+    def _warp_tree(values, op):
         t = np.array(values, dtype=np.float32)
         for k in range(5):
             t = op(t, t[_LANES ^ (16 >> k)]).astype(np.float32)
         return t
 
-    def _bfly(v, buf, op):  # noqa: ANN001, ANN202
+    def _bfly(v, buf, op):
         tid = cuda.threadIdx.x
         buf[0, tid] = v
         cuda.syncthreads()
@@ -119,16 +119,16 @@ if SIMULATOR:
         return np.float32(v)
 
     @cuda.jit(device=True)
-    def _bfly_max(v, buf):  # noqa: ANN001, ANN201
+    def _bfly_max(v, buf):
         return _bfly(v, buf, np.maximum)
 
     @cuda.jit(device=True)
-    def _bfly_sum(v, buf):  # noqa: ANN001, ANN201
+    def _bfly_sum(v, buf):
         return _bfly(v, buf, np.add)
 
-    def _make_bfly_sums(n: int, stride: int):  # noqa: ANN202
+    def _make_bfly_sums(n: int, stride: int):
         @cuda.jit(device=True)
-        def sums(vals, active, buf):  # noqa: ANN001, ANN202
+        def sums(vals, active, buf):
             # vals[i] for i % stride < active; the others are left as they are.
             tid = cuda.threadIdx.x
             for i in range(n):
@@ -145,20 +145,20 @@ if SIMULATOR:
 else:
 
     @cuda.jit(device=True, inline=True)
-    def _bfly_max(v, buf):  # noqa: ANN001, ANN201
+    def _bfly_max(v, buf):
         for k in range(5):
             v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16 >> k))
         return v
 
     @cuda.jit(device=True, inline=True)
-    def _bfly_sum(v, buf):  # noqa: ANN001, ANN201
+    def _bfly_sum(v, buf):
         for k in range(5):
             v = v + cuda.shfl_xor_sync(FULL_MASK, v, 16 >> k)
         return v
 
-    def _make_bfly_sums(n: int, stride: int):  # noqa: ANN202
+    def _make_bfly_sums(n: int, stride: int):
         @cuda.jit(device=True, inline=True)
-        def sums(vals, active, buf):  # noqa: ANN001, ANN202
+        def sums(vals, active, buf):
             for k in range(5):
                 for i in range(n):
                     if i % stride < active:
@@ -203,9 +203,9 @@ def chunk_blocks(rows: int, head_blocks: int, chunks: int) -> int:
     return max(1, min(chunks, want, 65535))
 
 
-def _make_softmax_step(key_tile: int):  # noqa: ANN202
+def _make_softmax_step(key_tile: int):
     @cuda.jit(device=True)
-    def softmax_step(ps, corr_s, num_heads_blk, key0, key_end, m_run, l_run, buf):  # noqa: ANN001, ANN202
+    def softmax_step(ps, corr_s, num_heads_blk, key0, key_end, m_run, l_run, buf):
         # Warp h updates head h's running max / sum and turns its scores into weights.
         # Every warp runs it (uniform flow); warps past num_heads_blk write nothing.
         warp = cuda.threadIdx.x // 32
@@ -232,7 +232,7 @@ def _make_softmax_step(key_tile: int):  # noqa: ANN202
     return softmax_step
 
 
-def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_blk: int):  # noqa: ANN202
+def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_blk: int):
     # hd (head_dim) and heads_blk (query heads a block) are compile-time constants: no
     # tests on them in the loops.
     load = _LOADERS[kind]
@@ -250,7 +250,7 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
     jit = kernel if SIMULATOR else kernel(max_registers=PARTIAL_MAX_REGISTERS)
 
     @jit
-    def partial_kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: ANN001, ANN202, E501
+    def partial_kernel(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, scratch):  # noqa: E501
         vs = cuda.shared.array((key_tile, max_hd), np.float32)
         qs = cuda.shared.array((heads_blk, max_hd), np.float32)
         ps = cuda.shared.array((heads_blk, key_tile), np.float32)
@@ -347,14 +347,14 @@ def _make_partial_kernel(kind: str, key_tile: int, max_hd: int, hd: int, heads_b
 
 
 @cuda.jit(device=True)
-def _chunk_weight(m_c, m_max):  # noqa: ANN001, ANN201
+def _chunk_weight(m_c, m_max):
     if m_c == NEG_INF:
         return np.float32(0.0)
     return np.float32(math.exp(m_c - m_max))
 
 
 @cuda.jit(device=True)
-def _combine(row_pos, scratch, out, vals):  # noqa: ANN001, ANN202
+def _combine(row_pos, scratch, out, vals):
     # out[row, head] (and vals[0, :hd]) from the row's chunk partials, chunks ascending
     # (module docstring).
     row = cuda.blockIdx.x
@@ -378,14 +378,14 @@ def _combine(row_pos, scratch, out, vals):  # noqa: ANN001, ANN202
 
 
 @kernel
-def combine_kernel(row_pos, scratch, out):  # noqa: ANN001
+def combine_kernel(row_pos, scratch, out):
     """out[row, head] from the row's chunk partials, chunks ascending (module docstring)."""
     vals = cuda.shared.array((1, MAX_HEAD_DIM), np.float32)
     _combine(row_pos, scratch, out, vals)
 
 
 @kernel
-def combine_quantize_kernel(row_pos, scratch, out, q4_order, xq, xs):  # noqa: ANN001
+def combine_quantize_kernel(row_pos, scratch, out, q4_order, xq, xs):
     """combine_kernel, and the head's values also written as int8 x: the bits of
     qdot.quantize_rows of out's rows [rows, nh * hd] (head_dim a multiple of qdot.CHUNK)."""
     vals = cuda.shared.array((1, MAX_HEAD_DIM), np.float32)
@@ -398,7 +398,7 @@ def combine_quantize_kernel(row_pos, scratch, out, q4_order, xq, xs):  # noqa: A
 _KERNELS: dict[tuple[str, int, int], object] = {}  # (kv kind, head_dim, heads a block)
 
 
-def attention_kernel(kv_kind: str, head_dim: int, heads_blk: int):  # noqa: ANN201
+def attention_kernel(kv_kind: str, head_dim: int, heads_blk: int):
     """The partial kernel for KV dtype `kv_kind` ('f32', 'bf16', 'fp8'), `head_dim` and
     `heads_blk` query heads a block (heads_per_block)."""
     key_tile, max_hd = tile_for_head_dim(head_dim)

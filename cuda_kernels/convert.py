@@ -16,13 +16,13 @@ _TWO_POW_32 = 4294967296
 
 
 @cuda.jit(device=True)
-def f32_bits(x):  # noqa: ANN001, ANN201
+def f32_bits(x):
     """float32 -> its bits as a non-negative int64."""
     return np.int64(float_as_int(np.float32(x))) & 0xFFFFFFFF
 
 
 @cuda.jit(device=True)
-def f32_from_bits(u):  # noqa: ANN001, ANN201
+def f32_from_bits(u):
     """Bits in an int64 [0, 2**32) -> float32."""
     if u >= _TWO_POW_31:
         u = u - _TWO_POW_32
@@ -30,7 +30,7 @@ def f32_from_bits(u):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def to_bf16_bits(x):  # noqa: ANN001, ANN201
+def to_bf16_bits(x):
     u = f32_bits(x)
     if (u & 0x7FFFFFFF) > 0x7F800000:
         return np.uint16((u >> 16) | 0x40)
@@ -38,12 +38,12 @@ def to_bf16_bits(x):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def from_bf16_bits(b):  # noqa: ANN001, ANN201
+def from_bf16_bits(b):
     return f32_from_bits(np.int64(b) << 16)
 
 
 @cuda.jit(device=True)
-def _e4m3_magnitude(a):  # noqa: ANN001, ANN201
+def _e4m3_magnitude(a):
     # a: finite, 0 <= a < 464 (values in [448, 464) round to 448 anyway).
     if a < np.float32(0.015625):  # below 2**-6: subnormal step 2**-9
         t = a * np.float32(512.0)
@@ -59,7 +59,7 @@ def _e4m3_magnitude(a):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def to_e4m3(y):  # noqa: ANN001, ANN201
+def to_e4m3(y):
     """float32 (already divided by the scale) -> E4M3FN code."""
     y = np.float32(y)
     if y != y:
@@ -74,7 +74,7 @@ def to_e4m3(y):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def from_e4m3(c):  # noqa: ANN001, ANN201
+def from_e4m3(c):
     """E4M3FN code -> float32 (not yet multiplied by the scale)."""
     c = np.int64(c)
     exp = (c >> 3) & 15

@@ -33,7 +33,7 @@ def _check_numpy() -> None:
         )
 
 
-def _import_cuda():  # noqa: ANN202 - returns the numba.cuda module
+def _import_cuda():  # returns the numba.cuda module
     _check_numpy()
     try:
         from numba import cuda as numba_cuda
@@ -68,15 +68,15 @@ FULL_MASK = 0xFFFFFFFF
 if SIMULATOR:
 
     @cuda.jit(device=True)
-    def float_as_int(x):  # noqa: ANN001, ANN201
+    def float_as_int(x):
         return np.int32(np.array(x, dtype=np.float32).view(np.int32))
 
     @cuda.jit(device=True)
-    def int_as_float(x):  # noqa: ANN001, ANN201
+    def int_as_float(x):
         return np.float32(np.array(x, dtype=np.int32).view(np.float32))
 
     @cuda.jit(device=True)
-    def _shfl_xor(v, offset):  # noqa: ANN001, ANN201
+    def _shfl_xor(v, offset):
         # The simulator has no shuffles: exchange through one shared buffer. Every
         # thread of the block must call this (our kernels only reduce in uniform flow).
         buf = cuda.shared.array(1024, np.float32)
@@ -91,20 +91,20 @@ else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
-    def float_as_int(x):  # noqa: ANN001, ANN201
+    def float_as_int(x):
         return libdevice.float_as_int(x)
 
     @cuda.jit(device=True, inline=True)
-    def int_as_float(x):  # noqa: ANN001, ANN201
+    def int_as_float(x):
         return libdevice.int_as_float(x)
 
     @cuda.jit(device=True, inline=True)
-    def _shfl_xor(v, offset):  # noqa: ANN001, ANN201
+    def _shfl_xor(v, offset):
         return cuda.shfl_xor_sync(FULL_MASK, v, offset)
 
 
 @cuda.jit(device=True)
-def warp_sum(v):  # noqa: ANN001, ANN201
+def warp_sum(v):
     """Butterfly sum over the 32 lanes, offsets 16, 8, 4, 2, 1: every lane gets the same
     bits (a + b == b + a), and the order is fixed, so the result is batch-invariant."""
     offset = 16
@@ -115,7 +115,7 @@ def warp_sum(v):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def block_sum(v, buf):  # noqa: ANN001, ANN201
+def block_sum(v, buf):
     """Sum of v over the block's threads (blockDim.x a power of two; buf: shared memory of at
     least blockDim.x floats): a fixed tree halving the threads, so every thread gets the same
     bits whatever the launch. buf is free again on return."""
@@ -134,7 +134,7 @@ def block_sum(v, buf):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def warp_max(v):  # noqa: ANN001, ANN201
+def warp_max(v):
     """Butterfly max over the 32 lanes (exact, any order)."""
     offset = 16
     while offset > 0:
@@ -154,7 +154,7 @@ PDL_NAME_PREFIX = "pdl__"  # the qualified name of every kernel made by `kernel`
 
 if SIMULATOR:
 
-    def kernel(fn=None, **options):  # noqa: ANN001, ANN003, ANN201
+    def kernel(fn=None, **options):
         """cuda.jit for a kernel of this package (the simulator has no launch order to keep)."""
         if fn is None:
             return lambda f: kernel(f, **options)
@@ -173,9 +173,9 @@ else:
             return False
 
     @_intrinsic
-    def _enter(typingctx):  # noqa: ANN001, ANN202
+    def _enter(typingctx):
         """griddepcontrol.wait, then griddepcontrol.launch_dependents (sm_90+; nothing before)."""
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             if _has_pdl():
                 from llvmlite import ir
 
@@ -187,7 +187,7 @@ else:
 
         return _types.void(), codegen
 
-    def kernel(fn=None, **options):  # noqa: ANN001, ANN003, ANN201
+    def kernel(fn=None, **options):
         """cuda.jit for a kernel of this package: `fn` runs after _enter() (see above), as a
         kernel named PDL_NAME_PREFIX + its name (cuda_kernels/graphs.py finds it by that)."""
         if fn is None:

@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 512
 
 
 @cuda.jit(device=True)
-def _head_norm(qkv, row, base, hd, w, eps, buf, partial):  # noqa: ANN001, ANN202
+def _head_norm(qkv, row, base, hd, w, eps, buf, partial):
     # buf[0:hd] = rms_norm(qkv[row, base:base+hd]) * w, as norm.rms_norm computes a row
     inv_rms = inv_rms_of(sum_squares(qkv, row, base, hd), hd, eps, partial)
     for i in range(cuda.threadIdx.x, hd, NORM_THREADS):
@@ -31,7 +31,7 @@ def _head_norm(qkv, row, base, hd, w, eps, buf, partial):  # noqa: ANN001, ANN20
 
 
 @cuda.jit(device=True)
-def _roped(buf, i, half, pos, inv_freq, mscale):  # noqa: ANN001, ANN202
+def _roped(buf, i, half, pos, inv_freq, mscale):
     # element i of the head after rotate-half RoPE on its first 2*half dims (norm.rope)
     if i >= 2 * half:
         return buf[i]
@@ -47,23 +47,23 @@ def _roped(buf, i, half, pos, inv_freq, mscale):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True)
-def _as_f32(x, scale):  # noqa: ANN001, ANN202
+def _as_f32(x, scale):
     return x
 
 
 @cuda.jit(device=True)
-def _as_bf16(x, scale):  # noqa: ANN001, ANN202
+def _as_bf16(x, scale):
     return to_bf16_bits(x)
 
 
 @cuda.jit(device=True)
-def _as_fp8(x, scale):  # noqa: ANN001, ANN202
+def _as_fp8(x, scale):
     return to_e4m3(np.float32(x) / scale)  # kv.kv_write_fp8: e4m3(x / scale)
 
 
-def _make_kernel(convert):  # noqa: ANN001, ANN202
+def _make_kernel(convert):
     @kernel
-    def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,  # noqa: ANN001, ANN202, E501
+    def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,  # noqa: E501
                     k_scale, v_scale, q_out):
         # qkv: [rows, (nh + 2*nkv) * hd] f32; q_norm, k_norm: [hd] f32 (used when use_norm);
         # positions, slots: [rows] i64; inv_freq: [rot/2] f32; kv_layer: [2, slots, nkv, hd];

@@ -1,11 +1,11 @@
-"""KV writes (with conversion to the arena's dtype), page zeroing, and the drafter's ring
-and state copies. Pure data movement: every element is written by exactly one thread.
+"""KV writes (with conversion to the arena's dtype) and page zeroing. Pure data movement:
+every element is written by exactly one thread. (The drafters' rings are written through
+kv_write into ring views of the arena: no kernel of their own.)
 
 Launch shapes (the launchers in tf_async/backend/cuda_ops.py use these):
 - kv_write_*: grid (rows, 2), block KV_THREADS; kv_layer [2, num_slots, nkv, hd].
 - zero_pages: grid (num_pages, num_layers * 2), block KV_THREADS; kv viewed as
   [num_layers * 2, num_slots, row_elems].
-- ring_write / ring_read / copy_rows: grid (rows,), block KV_THREADS.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ KV_THREADS = 128
 
 
 @kernel
-def kv_write_f32(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
+def kv_write_f32(k, v, kv_layer, slots, k_scale, v_scale):
     # k, v: [rows, nkv, hd] f32; kv_layer: [2, num_slots, nkv, hd] f32; slots: [rows] i64
     row = cuda.blockIdx.x
     kind = cuda.blockIdx.y
@@ -32,7 +32,7 @@ def kv_write_f32(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN2
 
 
 @kernel
-def kv_write_bf16(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
+def kv_write_bf16(k, v, kv_layer, slots, k_scale, v_scale):
     # kv_layer: [2, num_slots, nkv, hd] uint16 (bf16 bits)
     row = cuda.blockIdx.x
     kind = cuda.blockIdx.y
@@ -45,7 +45,7 @@ def kv_write_bf16(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN
 
 
 @kernel
-def kv_write_fp8(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN201
+def kv_write_fp8(k, v, kv_layer, slots, k_scale, v_scale):
     # kv_layer: [2, num_slots, nkv, hd] uint8 (E4M3FN); stored e4m3(x / scale)
     row = cuda.blockIdx.x
     kind = cuda.blockIdx.y
@@ -60,7 +60,7 @@ def kv_write_fp8(k, v, kv_layer, slots, k_scale, v_scale):  # noqa: ANN001, ANN2
 
 
 @kernel
-def zero_pages(kv_flat, page_ids, page_size):  # noqa: ANN001, ANN201
+def zero_pages(kv_flat, page_ids, page_size):
     # kv_flat: [num_layers * 2, num_slots, row_elems] (any dtype); page_ids: [n] i32
     page_id = page_ids[cuda.blockIdx.x]
     plane = cuda.blockIdx.y
@@ -68,36 +68,3 @@ def zero_pages(kv_flat, page_ids, page_size):  # noqa: ANN001, ANN201
     first_slot = page_id * page_size
     for e in range(cuda.threadIdx.x, page_size * row_elems, cuda.blockDim.x):
         kv_flat[plane, first_slot + e // row_elems, e % row_elems] = 0
-
-
-@kernel
-def ring_write(src, ring, ring_ids, positions):  # noqa: ANN001, ANN201
-    # src: [rows, width]; ring: [num_rings, capacity, width]; row r -> ring_ids[r] at
-    # row positions[r] % capacity (the drafter keeps only its newest `capacity` rows).
-    row = cuda.blockIdx.x
-    capacity = ring.shape[1]
-    ring_row = positions[row] % capacity
-    ring_id = ring_ids[row]
-    for e in range(cuda.threadIdx.x, src.shape[1], cuda.blockDim.x):
-        ring[ring_id, ring_row, e] = src[row, e]
-
-
-@kernel
-def ring_read(ring, ring_ids, positions, out):  # noqa: ANN001, ANN201
-    # out[r] = ring[ring_ids[r], positions[r] % capacity]
-    row = cuda.blockIdx.x
-    capacity = ring.shape[1]
-    ring_row = positions[row] % capacity
-    ring_id = ring_ids[row]
-    for e in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-        out[row, e] = ring[ring_id, ring_row, e]
-
-
-@kernel
-def copy_rows(src, src_rows, dst, dst_rows):  # noqa: ANN001, ANN201
-    # dst[dst_rows[i]] = src[src_rows[i]]: the newest row's hidden state into its lane's slot.
-    i = cuda.blockIdx.x
-    s = src_rows[i]
-    d = dst_rows[i]
-    for e in range(cuda.threadIdx.x, src.shape[1], cuda.blockDim.x):
-        dst[d, e] = src[s, e]

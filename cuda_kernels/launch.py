@@ -26,7 +26,7 @@ MAX_HEAD_DIM = _heads.MAX_HEAD_DIM
 KV_KINDS = {"float32": "f32", "uint16": "bf16", "uint8": "fp8"}
 
 
-def _go(kernel, grid, block, stream, *args) -> None:  # noqa: ANN001
+def _go(kernel, grid, block, stream, *args) -> None:
     if stream is None:
         kernel[grid, block](*args)
     else:
@@ -37,7 +37,7 @@ def _grid_1d(total: int, threads: int) -> int:
     return max(1, min((total + threads - 1) // threads, _MAX_GRID_1D))
 
 
-def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: ANN001, E501
+def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: E501
            epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
@@ -73,7 +73,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
 
 
-def uses_int8_x(kind, w, group_size) -> bool:  # noqa: ANN001
+def uses_int8_x(kind, w, group_size) -> bool:
     """Whether an affine weight [E, out_f, words] takes the int8-activation kernel: whole
     chunks of 32 inside each scale group, and 16-byte aligned rows (its 16-byte loads). A
     weight's answer never changes, so every row it multiplies gets the same numerics."""
@@ -89,7 +89,7 @@ def quantize_scratch_shapes(rows: int, in_features: int) -> tuple[tuple[int, int
     return (rows, in_features), (rows, 2 * in_features // _qd.CHUNK)
 
 
-def _quantize(kind, x, xq, xs, stream):  # noqa: ANN001, ANN202
+def _quantize(kind, x, xq, xs, stream):
     q_shape, s_shape = quantize_scratch_shapes(*x.shape)
     if (xq is None) != (xs is None):
         raise ValueError("matmul int8 x scratch: pass both xq and xs, or neither")
@@ -106,7 +106,7 @@ def _quantize(kind, x, xq, xs, stream):  # noqa: ANN001, ANN202
     return xq, xs
 
 
-def _address(array) -> int:  # noqa: ANN001
+def _address(array) -> int:
     """Address of the first element (device arrays, or NumPy arrays under the simulator)."""
     interface = getattr(array, "__cuda_array_interface__", None)
     if interface is not None:
@@ -114,7 +114,7 @@ def _address(array) -> int:  # noqa: ANN001
     return int(array.ctypes.data)
 
 
-def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None) -> None:  # noqa: ANN001
+def embed_affine(codes, scales, biases, bits, group_size, ids, out, stream=None) -> None:
     _go(_mm.embed_affine, (out.shape[0],), 128, stream, codes, scales, biases, bits, group_size, ids, out)
 
 
@@ -124,7 +124,7 @@ def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_widt
     return _attn.scratch_shape(rows, num_heads, head_dim, table_width, page_size)
 
 
-def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: ANN001, E501
+def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: E501
               *, scratch=None, int8_out=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
     kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
@@ -166,14 +166,14 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
                 bool(q4_order), xq[r0 : r0 + n], xs[r0 : r0 + n])
 
 
-def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:  # noqa: ANN001
+def kv_write(k, v, kv_layer, slots, k_scale, v_scale, stream=None) -> None:
     kernel = {"f32": _kv.kv_write_f32, "bf16": _kv.kv_write_bf16, "fp8": _kv.kv_write_fp8}[
         KV_KINDS[str(kv_layer.dtype)]
     ]
     _go(kernel, (k.shape[0], 2), _kv.KV_THREADS, stream, k, v, kv_layer, slots, k_scale, v_scale)
 
 
-def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,  # noqa: ANN001
+def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale, kv_layer, slots,
                 k_scale, v_scale, q_out, stream=None) -> None:
     """q|k|v rows -> normed, roped q_out [rows, nh, hd]; K and V into kv_layer at slots."""
     kernel = _heads.KERNELS[KV_KINDS[str(kv_layer.dtype)]]
@@ -182,60 +182,48 @@ def attn_inputs(qkv, q_norm, k_norm, use_norm, eps, positions, inv_freq, mscale,
         inv_freq, mscale, kv_layer, slots, k_scale, v_scale, q_out)
 
 
-def zero_pages(kv_flat, page_ids, page_size, stream=None) -> None:  # noqa: ANN001
+def zero_pages(kv_flat, page_ids, page_size, stream=None) -> None:
     """kv_flat: the arena viewed as [num_layers * 2, num_slots, nkv * hd]."""
     grid = (page_ids.shape[0], kv_flat.shape[0])
     _go(_kv.zero_pages, grid, _kv.KV_THREADS, stream, kv_flat, page_ids, page_size)
 
 
-def ring_write(src, ring, ring_ids, positions, stream=None) -> None:  # noqa: ANN001
-    _go(_kv.ring_write, (src.shape[0],), _kv.KV_THREADS, stream, src, ring, ring_ids, positions)
-
-
-def ring_read(ring, ring_ids, positions, out, stream=None) -> None:  # noqa: ANN001
-    _go(_kv.ring_read, (out.shape[0],), _kv.KV_THREADS, stream, ring, ring_ids, positions, out)
-
-
-def copy_rows(src, src_rows, dst, dst_rows, stream=None) -> None:  # noqa: ANN001
-    _go(_kv.copy_rows, (src_rows.shape[0],), _kv.KV_THREADS, stream, src, src_rows, dst, dst_rows)
-
-
-def rms_norm(x, w, eps, out, stream=None) -> None:  # noqa: ANN001
+def rms_norm(x, w, eps, out, stream=None) -> None:
     kernel = _norm.rms_norm_kernel(x.shape[1])
     _go(kernel, (x.shape[0],), _norm.NORM_THREADS, stream, x, w, eps, out)
 
 
-def rms_norm_quantize(x, w, eps, q4_order, xq, xs, stream=None) -> None:  # noqa: ANN001
+def rms_norm_quantize(x, w, eps, q4_order, xq, xs, stream=None) -> None:
     """xq, xs = the int8 x (qdot.quantize_rows) of rms_norm(x, w, eps), in one launch."""
     grid, block = _qd.quantize_shape(x.shape[0], x.shape[1], norm=True)
     _go(_qd.rms_norm_quantize, grid, block, stream, x, w, eps, q4_order, xq, xs)
 
 
-def rope(x, positions, inv_freq, mscale, stream=None) -> None:  # noqa: ANN001
+def rope(x, positions, inv_freq, mscale, stream=None) -> None:
     total = x.shape[0] * x.shape[1] * inv_freq.shape[0]
     threads = _norm.ELEMWISE_THREADS
     _go(_norm.rope, _grid_1d(total, threads), threads, stream, x, positions, inv_freq, mscale)
 
 
-def silu_mul(gate, up, out, stream=None) -> None:  # noqa: ANN001
+def silu_mul(gate, up, out, stream=None) -> None:
     threads = _norm.ELEMWISE_THREADS
     _go(_norm.silu_mul, _grid_1d(gate.size, threads), threads, stream, gate, up, out)
 
 
-def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights, stream=None) -> None:  # noqa: ANN001
+def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights, stream=None) -> None:
     threads = _moe.ROUTE_THREADS
     grid = _grid_1d(logits.shape[0], threads)
     _go(_moe.moe_route, grid, threads, stream, logits, top_k, norm_topk_prob, out_ids, out_weights)
 
 
-def moe_combine(expert_out, weights, out, stream=None) -> None:  # noqa: ANN001
+def moe_combine(expert_out, weights, out, stream=None) -> None:
     _go(_moe.moe_combine, (out.shape[0],), _moe.COMBINE_THREADS, stream, expert_out, weights, out)
 
 
-def argmax(logits, out, stream=None) -> None:  # noqa: ANN001
+def argmax(logits, out, stream=None) -> None:
     _go(_smp.argmax, (logits.shape[0],), _smp.SAMPLE_THREADS, stream, logits, out)
 
 
-def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out, stream=None) -> None:  # noqa: ANN001
+def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out, stream=None) -> None:
     args = (logits, temperatures, top_ks, top_ps, seeds, positions, out)
     _go(_smp.sample, (logits.shape[0],), _smp.SAMPLE_THREADS, stream, *args)

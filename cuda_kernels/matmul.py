@@ -69,55 +69,55 @@ class Variant:
 if SIMULATOR:
 
     @cuda.jit(device=True)
-    def _row3(a, i, j):  # noqa: ANN001, ANN202
+    def _row3(a, i, j):
         return a[i, j]
 
     @cuda.jit(device=True)
-    def _row2(a, i):  # noqa: ANN001, ANN202
+    def _row2(a, i):
         return a[i]
 
     @cuda.jit(device=True)
-    def _at(row, i):  # noqa: ANN001, ANN202
+    def _at(row, i):
         return row[i:]
 
     @cuda.jit(device=True)
-    def _ld_u32(row, i):  # noqa: ANN001, ANN202
+    def _ld_u32(row, i):
         return row[i].view(np.uint32)  # the bits, also of a float32 row
 
     @cuda.jit(device=True)
-    def _ld_f32(row, i):  # noqa: ANN001, ANN202
+    def _ld_f32(row, i):
         return np.float32(row[i])
 
     @cuda.jit(device=True)
-    def _ld_f32x4(row, i):  # noqa: ANN001, ANN202
+    def _ld_f32x4(row, i):
         return row[i], row[i + 1], row[i + 2], row[i + 3]
 
     @cuda.jit(device=True)
-    def _ld_f32x2(row, i):  # noqa: ANN001, ANN202
+    def _ld_f32x2(row, i):
         return row[i], row[i + 1]
 
     @cuda.jit(device=True)
-    def _prefetch_l1(row, i):  # noqa: ANN001, ANN202
+    def _prefetch_l1(row, i):
         pass
 
     @cuda.jit(device=True)
-    def _prefetch_l2(row, i):  # noqa: ANN001, ANN202
+    def _prefetch_l2(row, i):
         pass
 
     @cuda.jit(device=True)
-    def _bits_f32(u):  # noqa: ANN001, ANN202
+    def _bits_f32(u):
         return np.uint32(u).view(np.float32)
 
     @cuda.jit(device=True)
-    def _ld_u32x4(row, i):  # noqa: ANN001, ANN202
+    def _ld_u32x4(row, i):
         return row[i], row[i + 1], row[i + 2], row[i + 3]
 
     @cuda.jit(device=True)
-    def _ld_x_u32x4(row, i):  # noqa: ANN001, ANN202
+    def _ld_x_u32x4(row, i):
         return row[i], row[i + 1], row[i + 2], row[i + 3]
 
     @cuda.jit(device=True)
-    def _dp4a(a, b, c):  # noqa: ANN001, ANN202
+    def _dp4a(a, b, c):
         # c + sum over the 4 bytes of a (unsigned) times those of b (signed)
         total = int(c)
         for i in range(4):
@@ -132,7 +132,7 @@ else:
     from numba.cuda import cgutils  # type: ignore[attr-defined]
     from numba.cuda.extending import intrinsic
 
-    def _row_codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+    def _row_codegen(context, builder, sig, args):
         # Address (int64) of a[index..., 0]; the launcher checked every index.
         ary = context.make_array(sig.args[0])(context, builder, value=args[0])
         pairs = zip(args[1:], sig.args[1:], strict=True)
@@ -142,29 +142,29 @@ else:
         return builder.ptrtoint(ptr, ir.IntType(64))
 
     @intrinsic
-    def _row3(typingctx, a, i, j):  # noqa: ANN001, ANN202
+    def _row3(typingctx, a, i, j):
         return types.int64(a, i, j), _row_codegen
 
     @intrinsic
-    def _row2(typingctx, a, i):  # noqa: ANN001, ANN202
+    def _row2(typingctx, a, i):
         return types.int64(a, i), _row_codegen
 
-    def _address(builder, row, i):  # noqa: ANN001, ANN202
+    def _address(builder, row, i):
         return builder.add(row, builder.shl(i, ir.Constant(ir.IntType(64), 2)))
 
     @intrinsic
-    def _at(typingctx, row, i):  # noqa: ANN001, ANN202
+    def _at(typingctx, row, i):
         """The reference of element i of the row (its address: row + 4 * i)."""
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             return _address(builder, args[0], context.cast(builder, args[1], sig.args[1], types.int64))
 
         return types.int64(row, i), codegen
 
-    def _asm_load(ptx: str, count: int, reg: str, ret_type):  # noqa: ANN001, ANN202
+    def _asm_load(ptx: str, count: int, reg: str, ret_type):
         """An intrinsic load(row, i) of `count` 32-bit values at element i of the row."""
         @intrinsic
-        def load(typingctx, row, i):  # noqa: ANN001, ANN202
-            def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def load(typingctx, row, i):
+            def codegen(context, builder, sig, args):
                 i64 = context.cast(builder, args[1], sig.args[1], types.int64)
                 addr = _address(builder, args[0], i64)
                 elem = ir.IntType(32) if reg == "r" else ir.FloatType()
@@ -191,10 +191,10 @@ else:
     _ld_x_u32x4 = _asm_load("ld.global.nc.v4.u32", 4, "r", types.UniTuple(types.uint32, 4))  # through L1
 
     @intrinsic
-    def _dp4a(typingctx, a, b, c):  # noqa: ANN001, ANN202
+    def _dp4a(typingctx, a, b, c):
         """c + the dot product of a's 4 bytes (unsigned) and b's 4 bytes (signed): an exact
         int32 (PTX dp4a.u32.s32)."""
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
             vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args, strict=True)]
             asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.u32.s32 $0, $1, $2, $3;",
@@ -203,11 +203,11 @@ else:
 
         return types.int32(a, b, c), codegen
 
-    def _asm_prefetch(level: str):  # noqa: ANN202
+    def _asm_prefetch(level: str):
         @intrinsic
-        def prefetch(typingctx, row, i):  # noqa: ANN001, ANN202
+        def prefetch(typingctx, row, i):
             """Bring the line of element i of the row into `level` (no register, no wait)."""
-            def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+            def codegen(context, builder, sig, args):
                 i64 = context.cast(builder, args[1], sig.args[1], types.int64)
                 addr = _address(builder, args[0], i64)
                 fnty = ir.FunctionType(ir.VoidType(), [addr.type])
@@ -223,9 +223,9 @@ else:
     _prefetch_l2 = _asm_prefetch("L2")
 
     @intrinsic
-    def _bits_f32(typingctx, u):  # noqa: ANN001, ANN202
+    def _bits_f32(typingctx, u):
         """The float32 whose bits are the low 32 bits of integer u."""
-        def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        def codegen(context, builder, sig, args):
             val, i32 = args[0], ir.IntType(32)
             if val.type.width > 32:
                 val = builder.trunc(val, i32)
@@ -240,21 +240,21 @@ else:
 
 
 @cuda.jit(device=True)
-def _decode_bits(half, m):  # noqa: ANN001, ANN202
+def _decode_bits(half, m):
     return _bits_f32(half)
 
 
 @cuda.jit(device=True)
-def _split_f32(word):  # noqa: ANN001, ANN202
+def _split_f32(word):
     return word, word
 
 
 @cuda.jit(device=True)
-def _split_bf16(word):  # noqa: ANN001, ANN202
+def _split_bf16(word):
     return word << np.uint32(16), word & np.uint32(0xFFFF0000)
 
 
-def _make_decoder(kind: str):  # noqa: ANN202
+def _make_decoder(kind: str):
     """(split, decode): split(word) -> (lo, hi), the word's two 16-bit halves prepared once;
     decode(half, m) -> float32 value of element m of that half: the value itself (dense
     kinds) or its code q (affine kinds: the word step applies scale and bias). m is a
@@ -266,7 +266,7 @@ def _make_decoder(kind: str):  # noqa: ANN202
     return _make_code_decoder(32 // PER_WORD[kind])
 
 
-def _make_code_decoder(bits: int):  # noqa: ANN202
+def _make_code_decoder(bits: int):
     # Each half, its 16 bits in the mantissa of a float with every exponent bit set. Element
     # m (a code q at bit bits*m) is then one AND away from the float 2**e + q, where
     # e = 23 - bits*m: keep the code's bits and exponent 127 + e. Subtracting 2**e gives q
@@ -274,12 +274,12 @@ def _make_code_decoder(bits: int):  # noqa: ANN202
     mask = (1 << bits) - 1
 
     @cuda.jit(device=True)
-    def split_affine(word):  # noqa: ANN001, ANN202
+    def split_affine(word):
         lo = (word & np.uint32(0xFFFF)) + np.uint32(0x7F800000)
         return lo, (word >> np.uint32(16)) + np.uint32(0x7F800000)
 
     @cuda.jit(device=True)
-    def decode_code(half, m):  # noqa: ANN001, ANN202
+    def decode_code(half, m):
         exponent = np.uint32((150 - bits * m) << 23)  # the bits of 2**(23 - bits*m)
         field = half & (exponent | np.uint32(mask << (bits * m)))
         return _bits_f32(field) - _bits_f32(exponent)
@@ -290,36 +290,36 @@ def _make_code_decoder(bits: int):  # noqa: ANN202
 # ---------------------------------------------------------------- the kernel
 
 
-def _make_x_loader(xb: int, vec_x: bool):  # noqa: ANN202
+def _make_x_loader(xb: int, vec_x: bool):
     """load(x_row, k, xv): xv[0:xb] = x[row, k : k + xb]."""
     if vec_x and xb == 4:
 
         @cuda.jit(device=True)
-        def load4(x_row, k, xv):  # noqa: ANN001, ANN202
+        def load4(x_row, k, xv):
             xv[0], xv[1], xv[2], xv[3] = _ld_f32x4(x_row, k)
 
         return load4
     if vec_x and xb == 2:
 
         @cuda.jit(device=True)
-        def load2(x_row, k, xv):  # noqa: ANN001, ANN202
+        def load2(x_row, k, xv):
             xv[0], xv[1] = _ld_f32x2(x_row, k)
 
         return load2
 
     @cuda.jit(device=True)
-    def load_scalar(x_row, k, xv):  # noqa: ANN001, ANN202
+    def load_scalar(x_row, k, xv):
         for i in range(xb):
             xv[i] = _ld_f32(x_row, k + i)
 
     return load_scalar
 
 
-def _make_fetch(variant: Variant):  # noqa: ANN202
+def _make_fetch(variant: Variant):
     unroll, feats = variant.unroll, variant.feats
 
     @cuda.jit(device=True)
-    def fetch(w_rows, first_word, words, wb):  # noqa: ANN001, ANN202
+    def fetch(w_rows, first_word, words, wb):
         # wb[u * feats + f] = word first_word + 32u of feature f, for the words that exist;
         # one test for a whole step in the common case. Loads at constant offsets from one
         # reference per feature.
@@ -331,7 +331,7 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
                     wb[u * feats + f] = _ld_u32(at, 32 * u)
 
     @cuda.jit(device=True)
-    def fetch_full(w_rows, first_word, wb):  # noqa: ANN001, ANN202
+    def fetch_full(w_rows, first_word, wb):
         # fetch() of a step known to be whole: no test at all.
         for f in range(feats):
             at = _at(w_rows[f], first_word)
@@ -341,12 +341,12 @@ def _make_fetch(variant: Variant):  # noqa: ANN202
     return fetch, fetch_full
 
 
-def _make_prefetch_ahead(variant: Variant):  # noqa: ANN202
+def _make_prefetch_ahead(variant: Variant):
     unroll, feats = variant.unroll, variant.feats
     lines = unroll * feats  # the warp's 128-byte weight lines of one step
 
     @cuda.jit(device=True)
-    def prefetch_ahead(w_rows, first_word, words, lane):  # noqa: ANN001, ANN202
+    def prefetch_ahead(w_rows, first_word, words, lane):
         # Lane l < lines asks L2 for line l of the step whose lane-0 word is first_word: word
         # first_word + 32u of feature f (l = u * feats + f), so that step's loads hit L2.
         word = first_word + 32 * (lane // feats)
@@ -358,12 +358,12 @@ def _make_prefetch_ahead(variant: Variant):  # noqa: ANN202
     return prefetch_ahead
 
 
-def _make_refs(variant: Variant, affine: bool, swiglu: bool):  # noqa: ANN202
+def _make_refs(variant: Variant, affine: bool, swiglu: bool):
     rows_tile, feats = variant.rows_tile, variant.feats
     half = feats // 2
 
     @cuda.jit(device=True)
-    def refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows):  # noqa: ANN001, ANN202, E501
+    def refs(x, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows):  # noqa: E501
         # Row references of the block's rows and the warp's features (clamped: rows and
         # features past the end are computed on a copy of the last one and not stored).
         # swiglu: w is [gate; up] (2*I rows); the warp's first half of features are gate
@@ -383,9 +383,9 @@ def _make_refs(variant: Variant, affine: bool, swiglu: bool):  # noqa: ANN202
     return refs
 
 
-def _make_prefetch_scales(feats: int):  # noqa: ANN202
+def _make_prefetch_scales(feats: int):
     @cuda.jit(device=True)
-    def prefetch_scales(s_rows, b_rows, groups, lane):  # noqa: ANN001, ANN202
+    def prefetch_scales(s_rows, b_rows, groups, lane):
         # The warp's scale and bias rows into L1 once (a few hundred bytes a row), so the
         # per-word scale loads of the loop hit L1 instead of waiting on HBM.
         for f in range(feats):
@@ -396,7 +396,7 @@ def _make_prefetch_scales(feats: int):  # noqa: ANN202
     return prefetch_scales
 
 
-def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
+def _make_word_step(kind: str, variant: Variant):
     affine = kind in ("q4", "q8")
     per_word, xb = PER_WORD[kind], X_BATCH[kind]
     per_half = max(1, per_word // 2)
@@ -405,7 +405,7 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
     load_x = _make_x_loader(xb, variant.vec_x)
 
     @cuda.jit(device=True)
-    def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):  # noqa: ANN001, ANN202
+    def word_step(x_rows, s_rows, b_rows, xk, group, cw, work, acc):
         # The elements of a word (cw[f]: its bits for feature f; its x at element xk of the
         # row references, its scale and bias at `group`): decode xb elements of every
         # feature once (affine: fma(q, scale, bias)), then one fma per row and feature,
@@ -433,39 +433,39 @@ def _make_word_step(kind: str, variant: Variant):  # noqa: ANN202
 
 
 @cuda.jit(device=True)
-def _swiglu(g, u):  # noqa: ANN001, ANN202
+def _swiglu(g, u):
     # silu(g) * u, the same expression as norm.silu_mul (same bits)
     sig = np.float32(1.0) / (np.float32(1.0) + math.exp(-g))
     return (g * sig) * u
 
 
-def _make_put(epilogue: str):  # noqa: ANN202
+def _make_put(epilogue: str):
     """put(out, row, feat, total, up_total): write one output element.
     'store': out = total; 'add': out += total (a residual: out holds h, the same bits as
     h + (x @ W.T)); 'swiglu': out = silu(total) * up_total."""
     if epilogue == "add":
 
         @cuda.jit(device=True)
-        def put_add(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+        def put_add(out, row, feat, total, up_total):
             out[row, feat] = out[row, feat] + total
 
         return put_add
     if epilogue == "swiglu":
 
         @cuda.jit(device=True)
-        def put_swiglu(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+        def put_swiglu(out, row, feat, total, up_total):
             out[row, feat] = _swiglu(total, up_total)
 
         return put_swiglu
 
     @cuda.jit(device=True)
-    def put_store(out, row, feat, total, up_total):  # noqa: ANN001, ANN202
+    def put_store(out, row, feat, total, up_total):
         out[row, feat] = total
 
     return put_store
 
 
-def _make_store(variant: Variant, epilogue: str):  # noqa: ANN202
+def _make_store(variant: Variant, epilogue: str):
     rows_tile, feats = variant.rows_tile, variant.feats
     if SIMULATOR:
         return _make_store_simulated(variant, epilogue)
@@ -474,7 +474,7 @@ def _make_store(variant: Variant, epilogue: str):  # noqa: ANN202
     up_at = feats // 2 if epilogue == "swiglu" else 0
 
     @cuda.jit(device=True)
-    def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
+    def store(acc, row0, feat0, lane, out):
         for r in range(rows_tile):
             for f in range(outs):
                 total = warp_sum(acc[r * feats + f])  # every lane: uniform flow
@@ -485,7 +485,7 @@ def _make_store(variant: Variant, epilogue: str):  # noqa: ANN202
     return store
 
 
-def _make_store_simulated(variant: Variant, epilogue: str):  # noqa: ANN202
+def _make_store_simulated(variant: Variant, epilogue: str):
     # The simulator has no shuffles and each emulated one costs two block barriers, so lane 0
     # evaluates the same butterfly tree (offsets 16, 8, 4, 2, 1) from shared memory: the
     # same float32 additions, one barrier.
@@ -495,14 +495,14 @@ def _make_store_simulated(variant: Variant, epilogue: str):  # noqa: ANN202
     up_at = feats // 2 if epilogue == "swiglu" else 0
 
     @cuda.jit(device=True)
-    def tree(buf, warp, a):  # noqa: ANN001, ANN202
+    def tree(buf, warp, a):
         v = buf[warp, a].copy()
         for offset in (16, 8, 4, 2, 1):
             v = v + v[np.arange(32) ^ offset]
         return v[0]
 
     @cuda.jit(device=True)
-    def store(acc, row0, feat0, lane, out):  # noqa: ANN001, ANN202
+    def store(acc, row0, feat0, lane, out):
         buf = cuda.shared.array((warps, num_acc, 32), np.float32)
         warp = cuda.threadIdx.x // 32
         for a in range(num_acc):
@@ -520,7 +520,7 @@ def _make_store_simulated(variant: Variant, epilogue: str):  # noqa: ANN202
     return store
 
 
-def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
+def _make_steps(kind: str, variant: Variant, group_words: int):
     """(full_step, last_step) over words base + 32u (u < unroll) of the warp's features,
     cw: their bits; work: scratch. A full step is straight-line code (one reference per row
     and feature, loads at constant offsets from it); only the last, partial step tests each
@@ -532,7 +532,7 @@ def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
     groups_per_32 = 32 // group_words if group_words and 32 % group_words == 0 else 0
 
     @cuda.jit(device=True)
-    def full_step(x_rows, s_rows, b_rows, base, cw, work, acc, refs):  # noqa: ANN001, ANN202
+    def full_step(x_rows, s_rows, b_rows, base, cw, work, acc, refs):
         x_at, s_at, b_at = refs
         for r in range(rows_tile):
             x_at[r] = _at(x_rows[r], base * per_word)
@@ -548,7 +548,7 @@ def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
                 word_step(x_at, s_rows, b_rows, 32 * u * per_word, group, cw[u * feats :], work, acc)
 
     @cuda.jit(device=True)
-    def last_step(x_rows, s_rows, b_rows, base, words, cw, work, acc):  # noqa: ANN001, ANN202
+    def last_step(x_rows, s_rows, b_rows, base, words, cw, work, acc):
         for u in range(unroll):
             word = base + 32 * u
             if word < words:
@@ -558,7 +558,7 @@ def _make_steps(kind: str, variant: Variant, group_words: int):  # noqa: ANN202
     return full_step, last_step
 
 
-def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, epilogue: str):  # noqa: ANN202
+def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, epilogue: str):
     xb, rows_tile, feats, unroll = X_BATCH[kind], variant.rows_tile, variant.feats, variant.unroll
     warps = variant.warps
     outs = feats // 2 if epilogue == "swiglu" else feats  # output features per warp
@@ -571,7 +571,7 @@ def _make_kernel(kind: str, variant: Variant, group_words: int, grouped: bool, e
     prefetch_ahead, ahead = _make_prefetch_ahead(variant), variant.ahead
 
     @kernel
-    def matmul_k(x, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
+    def matmul_k(x, w, scales, biases, expert_ids, out):
         # x: [rows, in] f32; w: [E, out_f, words] u32 (f32 for 'f32'); scales/biases:
         # [E, out_f, words // group_words] (affine; else [1, 1, 1]);
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32
@@ -623,7 +623,7 @@ EPILOGUES = ("store", "add", "swiglu")
 _KERNELS: dict[tuple[str, Variant, int, bool, str], object] = {}
 
 
-def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bool = False,  # noqa: ANN201
+def matmul_kernel(kind: str, variant: Variant, group_words: int = 0, grouped: bool = False,
                   epilogue: str = "store"):
     """The kernel for weight `kind` ('f32', 'bf16', 'q8', 'q4') and `variant`; group_words:
     words per scale group (affine kinds; a compile-time constant), 0 for dense kinds;
@@ -670,7 +670,7 @@ def launch_shape(rows: int, out_features: int, variant: Variant, epilogue: str =
 
 
 @kernel
-def embed_affine(codes, scales, biases, bits, group_size, ids, out):  # noqa: ANN001, ANN201
+def embed_affine(codes, scales, biases, bits, group_size, ids, out):
     # codes: [V, H*bits/32] u32; out[r] = dequant(codes[ids[r]]); grid (rows,)
     row = cuda.blockIdx.x
     token = ids[row]

@@ -18,12 +18,12 @@ COMBINE_THREADS = 128
 
 
 @cuda.jit(device=True)
-def _weight(logits, row, e, m, inv_sum):  # noqa: ANN001, ANN201
+def _weight(logits, row, e, m, inv_sum):
     return np.float32(math.exp(logits[row, e] - m)) * inv_sum
 
 
 @kernel
-def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):  # noqa: ANN001, ANN201
+def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
     # logits: [rows, E] f32; out_ids: [rows, k] i32; out_weights: [rows, k] f32. One thread a
     # row: softmax over all E (sum in ascending expert order), then k picks in the order
     # (weight descending, id ascending) without a scratch array.
@@ -61,7 +61,7 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):  # noqa: ANN
 
 
 @kernel
-def moe_combine(expert_out, weights, out):  # noqa: ANN001, ANN201
+def moe_combine(expert_out, weights, out):
     # expert_out: [rows * k, H] (row-slot r*k + j); weights: [rows, k]; out: [rows, H].
     # out[r] = sum_j weights[r, j] * expert_out[r*k + j], j = 0..k-1 in order. grid (rows,)
     row = cuda.blockIdx.x

@@ -17,7 +17,7 @@ ELEMWISE_THREADS = 256
 
 
 @cuda.jit(device=True)
-def sum_squares(x, row, base, dim):  # noqa: ANN001, ANN201
+def sum_squares(x, row, base, dim):
     # Thread t: fma(x_i, x_i, acc) for i = t, t + NORM_THREADS, ... ascending (x[row, base + i]).
     # Eight loads are issued before their fmas (one memory round trip per eight elements
     # instead of one each); the fmas keep the order, so the bits are those of the plain loop.
@@ -46,14 +46,14 @@ def sum_squares(x, row, base, dim):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def inv_rms_of(acc, dim, eps, partial):  # noqa: ANN001, ANN201
+def inv_rms_of(acc, dim, eps, partial):
     # The block's partial sums (a block of NORM_THREADS) -> 1 / rms.
     total = block_sum(acc, partial)
     return np.float32(1.0) / math.sqrt(total / np.float32(dim) + np.float32(eps))
 
 
 @kernel
-def rms_norm(x, w, eps, out):  # noqa: ANN001, ANN201
+def rms_norm(x, w, eps, out):
     # x, out: [rows, dim] f32; w: [dim] f32. Thread t sums x[t], x[t+128], ... in order,
     # then a shared-memory tree halves 128 -> 1 in a fixed order.
     partial = cuda.shared.array(NORM_THREADS, np.float32)
@@ -81,7 +81,7 @@ MAX_HELD = 32  # elements a thread holds in registers: rows up to 4096 wide in o
 _HELD_KERNELS: dict[int, object] = {}
 
 
-def rms_norm_kernel(dim: int):  # noqa: ANN201
+def rms_norm_kernel(dim: int):
     """The rms_norm kernel for rows `dim` wide: rows of up to MAX_HELD * NORM_THREADS held in
     registers (the same bits as `rms_norm`), wider rows `rms_norm` itself."""
     held = 1
@@ -94,9 +94,9 @@ def rms_norm_kernel(dim: int):  # noqa: ANN201
     return _HELD_KERNELS[held]
 
 
-def _make_held_rms_norm(held: int):  # noqa: ANN202
+def _make_held_rms_norm(held: int):
     @kernel
-    def rms_norm_held(x, w, eps, out):  # noqa: ANN001, ANN202
+    def rms_norm_held(x, w, eps, out):
         # rms_norm for rows of at most held * NORM_THREADS: every load of the thread (x and w)
         # is issued up front (indices past the row read its last element; their x counts as
         # 0), and both stay in registers for the output. The same fmas in the
@@ -125,7 +125,7 @@ def _make_held_rms_norm(held: int):  # noqa: ANN202
 
 
 @kernel
-def rope(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
+def rope(x, positions, inv_freq, mscale):
     # x: [rows, heads, hd] in place; rotate-half on the first 2*len(inv_freq) dims.
     # The angle is formed in float64 (positions reach 1e5; float32 would lose the phase).
     rows, heads = x.shape[0], x.shape[1]
@@ -146,7 +146,7 @@ def rope(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
 
 
 @kernel
-def silu_mul(gate, up, out):  # noqa: ANN001, ANN201
+def silu_mul(gate, up, out):
     # gate, up, out: [rows, inter] f32; out = gate * sigmoid(gate) * up
     inter = gate.shape[1]
     total = gate.shape[0] * inter

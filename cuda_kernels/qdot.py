@@ -42,14 +42,14 @@ _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: fma(v, inv, M) - M is v * inv to
 if SIMULATOR:  # cuda.fma rounds twice in the simulator: the exact product in float64 instead
 
     @cuda.jit(device=True)
-    def _nearest(v, inv):  # noqa: ANN001, ANN202
+    def _nearest(v, inv):
         t = np.float64(v) * np.float64(inv)  # exact
         return np.float32((t + 6755399441055744.0) - 6755399441055744.0)  # 1.5 * 2**52
 
 else:
 
     @cuda.jit(device=True)
-    def _nearest(v, inv):  # noqa: ANN001, ANN202
+    def _nearest(v, inv):
         # The exact product v * inv (|v * inv| <= 127.x) rounded once to the nearest
         # integer, ties to even: the ulp of 1.5 * 2**23 is 1.
         return cuda.fma(v, inv, _MAGIC) - _MAGIC
@@ -61,14 +61,14 @@ def x_position(q4_order: bool, j: int) -> int:
 
 
 @cuda.jit(device=True)
-def _chunk_scales(amax):  # noqa: ANN001, ANN202
+def _chunk_scales(amax):
     d = amax / np.float32(127.0)
     inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
     return d, inv
 
 
 @cuda.jit(device=True)
-def _level(v, inv):  # noqa: ANN001, ANN202
+def _level(v, inv):
     return min(max(_nearest(v, inv), np.float32(-127.0)), np.float32(127.0))
 
 
@@ -76,7 +76,7 @@ _position = cuda.jit(device=True)(x_position)
 
 
 @cuda.jit(device=True)
-def _quantize_serial(vals, row, c, q4_order, xq, xs):  # noqa: ANN001, ANN202
+def _quantize_serial(vals, row, c, q4_order, xq, xs):
     # Chunk c of the row from its 32 values, one thread (the simulator's form)
     amax = np.float32(0.0)
     for j in range(CHUNK):
@@ -92,7 +92,7 @@ def _quantize_serial(vals, row, c, q4_order, xq, xs):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True)
-def _quantize_warp(v, lane, chunk, chunks, row, q4_order, xq, xs):  # noqa: ANN001, ANN202
+def _quantize_warp(v, lane, chunk, chunks, row, q4_order, xq, xs):
     # Chunk `chunk` of the row, value v of element `lane` in each lane of one warp (every lane
     # runs the shuffles; a warp past the last chunk stores nothing)
     d, inv = _chunk_scales(warp_max(abs(v)))
@@ -109,14 +109,14 @@ if SIMULATOR:  # one thread a chunk, no shuffles (each costs the simulator two b
     QUANT_THREADS = QUANT_WARPS
 
     @kernel
-    def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def quantize_rows(x, q4_order, xq, xs):
         row = cuda.blockIdx.x
         c = cuda.blockIdx.y * QUANT_WARPS + cuda.threadIdx.x
         if c < x.shape[1] // CHUNK:
             _quantize_serial(x[row, c * CHUNK : (c + 1) * CHUNK], row, c, q4_order, xq, xs)
 
     @kernel
-    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):
         partial = cuda.shared.array(NORM_THREADS, np.float32)
         vals = cuda.local.array(CHUNK, np.float32)
         row, dim = cuda.blockIdx.x, x.shape[1]
@@ -131,7 +131,7 @@ else:
     QUANT_THREADS = 32 * QUANT_WARPS
 
     @kernel
-    def quantize_rows(x, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def quantize_rows(x, q4_order, xq, xs):
         # x: [rows, K] f32; xq: [rows, K] int8; xs: [rows, 2 * K / 32] f32 (d, d * sum(xi))
         # per chunk. Grid (rows, chunk blocks), block QUANT_THREADS: one warp a chunk, lane j
         # its element j.
@@ -141,7 +141,7 @@ else:
         _quantize_warp(v, lane, chunk, chunks, cuda.blockIdx.x, q4_order, xq, xs)
 
     @kernel
-    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def rms_norm_quantize(x, w, eps, q4_order, xq, xs):
         # quantize_rows of rms_norm(x, w, eps): each block works out the row's 1 / rms as
         # norm.rms_norm does (the same threads, order and bits), then quantizes its chunks of
         # the normed row (the same expression as rms_norm's output). Grid as quantize_rows.
@@ -157,7 +157,7 @@ else:
 if SIMULATOR:
 
     @cuda.jit(device=True)
-    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):
         # Chunks chunk0 .. chunk0 + count - 1 of the row from the block's own values (shared):
         # value i is vals[i // width, i % width]. One thread a chunk (the simulator's form)
         chunk_vals = cuda.local.array(CHUNK, np.float32)
@@ -170,7 +170,7 @@ if SIMULATOR:
 else:
 
     @cuda.jit(device=True)
-    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):  # noqa: ANN001, ANN201
+    def quantize_chunks(vals, width, count, chunk0, row, q4_order, xq, xs):
         # As above, one warp a chunk (every thread of the block calls; the bits of quantize_rows)
         lane, warps = cuda.threadIdx.x % 32, cuda.blockDim.x // 32
         for c in range(cuda.threadIdx.x // 32, count, warps):
@@ -185,11 +185,11 @@ def quantize_shape(rows: int, in_features: int, norm: bool = False) -> tuple[tup
     return (rows, (chunks + QUANT_WARPS - 1) // QUANT_WARPS), NORM_THREADS if norm else QUANT_THREADS
 
 
-def _make_fetch(kind: str, variant: mm.Variant):  # noqa: ANN202
+def _make_fetch(kind: str, variant: mm.Variant):
     unroll, feats, wpc = variant.unroll, variant.feats, WORDS_PER_CHUNK[kind]
 
     @cuda.jit(device=True)
-    def fetch(w_rows, c0, chunks, wb):  # noqa: ANN001, ANN202
+    def fetch(w_rows, c0, chunks, wb):
         # wb[(u * feats + f) * wpc + i] = word i of chunk c0 + 32u of feature f (chunks that exist)
         for u in range(unroll):
             if c0 + 32 * u < chunks:
@@ -202,13 +202,13 @@ def _make_fetch(kind: str, variant: mm.Variant):  # noqa: ANN202
     return fetch
 
 
-def _make_chunk_math(kind: str, variant: mm.Variant, group_chunks: int):  # noqa: ANN202
+def _make_chunk_math(kind: str, variant: mm.Variant, group_chunks: int):
     rows_tile, feats, wpc = variant.rows_tile, variant.feats, WORDS_PER_CHUNK[kind]
     q4 = kind == "q4"
     nib = np.uint32(0x0F0F0F0F)
 
     @cuda.jit(device=True)
-    def chunk_math(x_rows, xs_rows, s_rows, b_rows, c, cw, at, work, acc):  # noqa: ANN001, ANN202
+    def chunk_math(x_rows, xs_rows, s_rows, b_rows, c, cw, at, work, acc):
         # Chunk c of every row and feature; its words are cw[at + f * wpc + i].
         codes, sv, xw = work
         g = c // group_chunks
@@ -237,7 +237,7 @@ def _make_chunk_math(kind: str, variant: mm.Variant, group_chunks: int):  # noqa
     return chunk_math
 
 
-def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str):  # noqa: ANN202
+def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str):
     rows_tile, feats, unroll, warps = variant.rows_tile, variant.feats, variant.unroll, variant.warps
     wpc = WORDS_PER_CHUNK[kind]
     outs = feats // 2 if epilogue == "swiglu" else feats
@@ -247,7 +247,7 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
     prefetch_scales, store = mm._make_prefetch_scales(feats), mm._make_store(variant, epilogue)
 
     @kernel
-    def qdot_k(xq, xs, w, scales, biases, expert_ids, out):  # noqa: ANN001, ANN202
+    def qdot_k(xq, xs, w, scales, biases, expert_ids, out):
         # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
         # w: [E, out_f, K * bits / 32] u32; scales/biases: [E, out_f, groups] f32;
         # expert_ids: [rows] i32 (grouped only; rows_tile 1); out: [rows, out_f] f32.
@@ -290,7 +290,7 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
 _KERNELS: dict[tuple[str, mm.Variant, int, bool, str], object] = {}
 
 
-def qdot_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool = False,  # noqa: ANN201
+def qdot_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool = False,
                 epilogue: str = "store"):
     """The kernel for affine `kind` ('q4', 'q8') and `variant`; group_chunks: chunks of 32
     per scale group (a compile-time constant). As matmul.matmul_kernel otherwise."""

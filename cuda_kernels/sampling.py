@@ -52,7 +52,7 @@ def uniform_host(seed: int, position: int) -> float:
 
 
 @cuda.jit(device=True)
-def _mix64(z):  # noqa: ANN001, ANN201
+def _mix64(z):
     z = z ^ (z >> np.uint64(30))
     z = z * _MIX1
     z = z ^ (z >> np.uint64(27))
@@ -61,13 +61,13 @@ def _mix64(z):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def uniform(seed, position):  # noqa: ANN001, ANN201
+def uniform(seed, position):
     h = _mix64(_mix64(np.uint64(seed) + _GOLDEN) ^ np.uint64(position))
     return np.float32(h >> np.uint64(40)) * np.float32(5.960464477539063e-08)
 
 
 @cuda.jit(device=True)
-def _key(z):  # noqa: ANN001, ANN201
+def _key(z):
     bits = np.int64(float_as_int(z))
     if bits < 0:
         return bits ^ 0x7FFFFFFF
@@ -75,7 +75,7 @@ def _key(z):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def _block_argmax(logits, row, vbuf, ibuf):  # noqa: ANN001, ANN201
+def _block_argmax(logits, row, vbuf, ibuf):
     # Largest logit of the row, lowest id on ties; NaN counts as -inf.
     tid = cuda.threadIdx.x
     best_v = NEG_INF
@@ -107,7 +107,7 @@ def _block_argmax(logits, row, vbuf, ibuf):  # noqa: ANN001, ANN201
 
 
 @kernel
-def argmax(logits, out):  # noqa: ANN001, ANN201
+def argmax(logits, out):
     # logits: [rows, V] f32; out: [rows] i64. grid (rows,), block SAMPLE_THREADS
     vbuf = cuda.shared.array(SAMPLE_THREADS, np.float32)
     ibuf = cuda.shared.array(SAMPLE_THREADS, np.int64)
@@ -118,7 +118,7 @@ def argmax(logits, out):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def _kept_stats(logits, row, inv_t, m, threshold, want_mass, fbuf):  # noqa: ANN001, ANN201
+def _kept_stats(logits, row, inv_t, m, threshold, want_mass, fbuf):
     # Count (want_mass=False) or mass of the tokens whose key >= threshold.
     acc = np.float32(0.0)
     for i in range(cuda.threadIdx.x, logits.shape[1], SAMPLE_THREADS):
@@ -132,7 +132,7 @@ def _kept_stats(logits, row, inv_t, m, threshold, want_mass, fbuf):  # noqa: ANN
 
 
 @cuda.jit(device=True)
-def _top_k_threshold(logits, row, inv_t, m, top_k, fbuf):  # noqa: ANN001, ANN201
+def _top_k_threshold(logits, row, inv_t, m, top_k, fbuf):
     lo = np.int64(_KEY_MIN)
     if top_k <= 0 or top_k >= logits.shape[1]:
         return lo
@@ -147,7 +147,7 @@ def _top_k_threshold(logits, row, inv_t, m, top_k, fbuf):  # noqa: ANN001, ANN20
 
 
 @cuda.jit(device=True)
-def _top_p_threshold(logits, row, inv_t, m, lo, top_p, fbuf):  # noqa: ANN001, ANN201
+def _top_p_threshold(logits, row, inv_t, m, lo, top_p, fbuf):
     if not (top_p > 0 and top_p < 1):
         return lo
     target = np.float32(top_p) * _kept_stats(logits, row, inv_t, m, lo, True, fbuf)
@@ -162,7 +162,7 @@ def _top_p_threshold(logits, row, inv_t, m, lo, top_p, fbuf):  # noqa: ANN001, A
 
 
 @cuda.jit(device=True)
-def _draw(logits, row, inv_t, m, threshold, u, fbuf):  # noqa: ANN001, ANN201
+def _draw(logits, row, inv_t, m, threshold, u, fbuf):
     # Thread-major inverse CDF; thread 0 picks the owning thread, that thread the token.
     tid = cuda.threadIdx.x
     part = np.float32(0.0)
@@ -202,7 +202,7 @@ def _draw(logits, row, inv_t, m, threshold, u, fbuf):  # noqa: ANN001, ANN201
 
 
 @cuda.jit(device=True)
-def _sequential_total(fbuf):  # noqa: ANN001, ANN201
+def _sequential_total(fbuf):
     total = np.float32(0.0)
     for t in range(SAMPLE_THREADS):
         total += fbuf[t]
@@ -210,7 +210,7 @@ def _sequential_total(fbuf):  # noqa: ANN001, ANN201
 
 
 @kernel
-def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out):  # noqa: ANN001, ANN201
+def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out):
     # logits: [rows, V] f32; temperatures, top_ps: [rows] f32; top_ks: [rows] i32;
     # seeds: [rows] u64; positions: [rows] i64; out: [rows] i64. grid (rows,)
     vbuf = cuda.shared.array(SAMPLE_THREADS, np.float32)

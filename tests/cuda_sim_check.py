@@ -66,7 +66,7 @@ def kv_values_ref(kv_layer: np.ndarray, scales: tuple[float, float]) -> np.ndarr
     return vals * np.array(scales, dtype=np.float64)[:, None, None, None]
 
 
-def attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN201
+def attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale):
     vals = kv_values_ref(kv_layer, scales)
     rows, num_heads, head_dim = q.shape
     group = num_heads // kv_layer.shape[2]
@@ -82,12 +82,12 @@ def attention_ref(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
     return out
 
 
-def rms_norm_ref(x, w, eps):  # noqa: ANN001, ANN201
+def rms_norm_ref(x, w, eps):
     x64 = x.astype(np.float64)
     return x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w
 
 
-def rope_ref(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
+def rope_ref(x, positions, inv_freq, mscale):
     out = x.astype(np.float64).copy()
     half = inv_freq.shape[0]
     ang = positions[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)
@@ -98,12 +98,12 @@ def rope_ref(x, positions, inv_freq, mscale):  # noqa: ANN001, ANN201
     return out
 
 
-def silu_mul_ref(gate, up):  # noqa: ANN001, ANN201
+def silu_mul_ref(gate, up):
     g = gate.astype(np.float64)
     return g / (1.0 + np.exp(-g)) * up
 
 
-def moe_route_ref(logits, top_k, norm):  # noqa: ANN001, ANN201
+def moe_route_ref(logits, top_k, norm):
     z = logits.astype(np.float64)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -142,7 +142,7 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 # ---------------------------------------------------------------- inputs
 
 
-def affine_weight(rng: np.random.Generator, experts: int, out_f: int, in_f: int, bits: int, gs: int):  # noqa: ANN201
+def affine_weight(rng: np.random.Generator, experts: int, out_f: int, in_f: int, bits: int, gs: int):
     """Random packed codes and scales: (codes, scales, biases, dequantized float64)."""
     per_word = 32 // bits
     q = rng.integers(0, 1 << bits, size=(experts, out_f, in_f), dtype=np.uint32)
@@ -155,7 +155,7 @@ def affine_weight(rng: np.random.Generator, experts: int, out_f: int, in_f: int,
     return codes, scales, biases, deq
 
 
-def paged_setup(rng: np.random.Generator, seqs: int, max_pages: int, page_size: int, nkv: int, hd: int):  # noqa: ANN201
+def paged_setup(rng: np.random.Generator, seqs: int, max_pages: int, page_size: int, nkv: int, hd: int):
     """A shuffled page table over a pool with spare pages, and random f32 K/V in it."""
     num_pages = seqs * max_pages + 2
     perm = rng.permutation(num_pages)[: seqs * max_pages]
@@ -224,7 +224,7 @@ def _check_dense_matmul(rng: np.random.Generator, x: np.ndarray, out_f: int) -> 
     assert rel_err(out, x @ bf16_value_ref(wb[0]).T.astype(np.float64)) < 1e-5
 
 
-def matmul_cases(rng: np.random.Generator, rows: int, out_f: int, scale: int = 1):  # noqa: ANN201
+def matmul_cases(rng: np.random.Generator, rows: int, out_f: int, scale: int = 1):
     """(name, kind, x, parts, group_size, float64 reference) for every weight kind, at sizes
     that end in a partial step (88*scale words a row, not a multiple of 32 lanes x unroll),
     plus a non-power-of-two group (the division kernel) and a row shorter than a warp."""
@@ -255,7 +255,7 @@ def _sim_matmul(kind: str, x: np.ndarray, parts: tuple, gs: int,
     return out
 
 
-def _check_matmul_invariance(name, kind, x, parts, gs, ref) -> None:  # noqa: ANN001
+def _check_matmul_invariance(name, kind, x, parts, gs, ref) -> None:
     """Every row bit-identical whatever the rows sharing the launch, the path (rows per
     block, features per warp) and the alignment of x (vector or scalar loads)."""
     many = _sim_matmul(kind, x, parts, gs, path="many")
@@ -308,7 +308,7 @@ def _quick_barriers() -> Iterator[None]:
         sys.setswitchinterval(old)
 
 
-def _attend(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale, **kw):  # noqa: ANN001, ANN003, ANN202
+def _attend(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale, **kw):
     from cuda_kernels import launch
 
     out = np.full(q.shape, np.nan, np.float32)
@@ -365,7 +365,7 @@ def check_attention(rng: np.random.Generator) -> None:
     _check_attention_prompt(rng)
 
 
-def _check_attention_cpu_twin(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:  # noqa: ANN001
+def _check_attention_cpu_twin(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:
     try:
         from tf_async.backend.cpu import kernels as cpu
     except ImportError:
@@ -396,7 +396,7 @@ def _check_attention_prompt(rng: np.random.Generator) -> None:
         _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
 
 
-def _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:  # noqa: ANN001
+def _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:
     """The launch that also writes its rows as int8 x: the same float32 rows and the bits of
     quantize_rows of them."""
     from cuda_kernels import launch
@@ -470,7 +470,7 @@ def check_e4m3_exhaustive(rng: np.random.Generator) -> None:
     assert np.array_equal(kv_layer[0, 0, 0], e4m3_ref(probe))
 
 
-def check_zero_and_rings(rng: np.random.Generator) -> None:
+def check_zero_pages(rng: np.random.Generator) -> None:
     from cuda_kernels import launch
 
     kv = rng.integers(1, 200, size=(2, 2, 6 * 4, 2, 4)).astype(np.uint8)
@@ -480,17 +480,6 @@ def check_zero_and_rings(rng: np.random.Generator) -> None:
     want[:, :, 4:8] = 0
     want[:, :, 16:20] = 0
     assert np.array_equal(kv, want)
-    src = rng.standard_normal((3, 5)).astype(np.float32)
-    ring = np.zeros((2, 4, 5), np.float32)
-    launch.ring_write(src, ring, np.array([1, 0, 1], np.int32), np.array([9, 2, 6], np.int64))
-    assert np.array_equal(ring[1, 1], src[0]) and np.array_equal(ring[0, 2], src[1])
-    assert np.array_equal(ring[1, 2], src[2])
-    out = np.full((2, 5), np.nan, np.float32)
-    launch.ring_read(ring, np.array([1, 0], np.int32), np.array([13, 6], np.int64), out)
-    assert np.array_equal(out, np.stack([src[0], src[1]]))
-    dst = np.zeros((4, 5), np.float32)
-    launch.copy_rows(src, np.array([2, 0], np.int64), dst, np.array([3, 1], np.int64))
-    assert np.array_equal(dst[3], src[2]) and np.array_equal(dst[1], src[0]) and not dst[0].any()
 
 
 def _check_held_rms_norm(rng: np.random.Generator) -> None:
@@ -733,7 +722,7 @@ CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "attention_wide_heads": check_attention_wide_heads,
     "kv_write": check_kv_write,
     "e4m3_exhaustive": check_e4m3_exhaustive,
-    "zero_and_rings": check_zero_and_rings,
+    "zero_pages": check_zero_pages,
     "norm_rope_silu": check_norm_rope_silu,
     "moe": check_moe,
     "fused_layer_ops": check_fused_layer_ops,

@@ -68,7 +68,7 @@ def record_plans(eng: Engine) -> list[RoundPlan]:
     runner = eng.parts.runner
     execute = runner.execute
 
-    def spy(plan: RoundPlan):  # noqa: ANN202
+    def spy(plan: RoundPlan):
         plans.append(plan)
         return execute(plan)
 

@@ -46,11 +46,11 @@ def _assert_all_pass(results: list[baseline.SectionResult]) -> None:
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))
-def test_tiny_model_equals_its_baseline(tiny_models, name) -> None:  # noqa: ANN001
+def test_tiny_model_equals_its_baseline(tiny_models, name) -> None:
     _assert_all_pass(_check(load_checkpoint(tiny_models[name]), baseline_path(name, "cpu")))
 
 
-def test_default_model_equals_its_baseline(default_checkpoint, capsys) -> None:  # noqa: ANN001
+def test_default_model_equals_its_baseline(default_checkpoint, capsys) -> None:
     """Through the CLI, as a user runs it: the seed-style lines, exit code 0."""
     path = baseline_path("default", "cpu")
     if baseline.host_differs(baseline.load(path)):
@@ -77,13 +77,13 @@ def test_every_baseline_names_what_produced_it() -> None:
         baseline.settings_of(doc)  # every setting is a known field
 
 
-def test_a_baseline_of_another_model_is_a_clear_error(tiny_models) -> None:  # noqa: ANN001
+def test_a_baseline_of_another_model_is_a_clear_error(tiny_models) -> None:
     ckpt = load_checkpoint(tiny_models["qwen3-f32"])
     with pytest.raises(BadInputError, match="recorded on model 'llama-f32'"):
         asyncio.run(baseline.check(ckpt, baseline.load(baseline_path("llama-f32", "cpu"))))
 
 
-def test_record_then_against_round_trips_through_the_cli(tiny_models, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_record_then_against_round_trips_through_the_cli(tiny_models, tmp_path, capsys) -> None:
     folder, out = str(tiny_models["llama-f32"]), tmp_path / "b.json"
     assert main(["gate", "--model", folder, "--device", "cpu", "--max-tokens", "4",
                  "--record", str(out), "--reason", "test"]) == 0
@@ -93,7 +93,7 @@ def test_record_then_against_round_trips_through_the_cli(tiny_models, tmp_path, 
     assert "flags off == baseline 16/16" in capsys.readouterr().out
 
 
-def test_a_changed_token_fails_the_check_and_says_where(tiny_models, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_a_changed_token_fails_the_check_and_says_where(tiny_models, tmp_path, capsys) -> None:
     doc = baseline.load(baseline_path("llama-f32", "cpu"))
     doc["sections"]["paging"]["requests"][3]["token_ids"][5] += 1
     baseline.write(doc, tmp_path / "edited.json")
@@ -106,7 +106,7 @@ def test_a_changed_token_fails_the_check_and_says_where(tiny_models, tmp_path, c
 
 # ---- mutation: another reduction order in one kernel turns the check red ------------------
 @njit(cache=False)
-def _rms_norm_reversed(x, w, eps, out):  # noqa: ANN001, ANN202
+def _rms_norm_reversed(x, w, eps, out):
     # The CPU kernel's rms_norm with its sum of squares taken from the last element down.
     dim = x.shape[1]
     for r in range(x.shape[0]):
@@ -118,7 +118,7 @@ def _rms_norm_reversed(x, w, eps, out):  # noqa: ANN001, ANN202
             out[r, i] = (x[r, i] * inv) * w[i]
 
 
-def test_another_reduction_order_turns_the_check_red(tiny_models, monkeypatch) -> None:  # noqa: ANN001
+def test_another_reduction_order_turns_the_check_red(tiny_models, monkeypatch) -> None:
     from tf_async.backend.cpu import kernels
 
     monkeypatch.setattr(kernels, "rms_norm", _rms_norm_reversed)

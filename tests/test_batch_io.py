@@ -222,9 +222,11 @@ class _Untouchable:
 
 
 def _graph_decoder() -> Any:
+    from tf_async.backend.base import Capabilities
     from tf_async.models.graph_decoder import GraphDecoder
 
-    ops = SimpleNamespace(name="cuda", xp=_Untouchable())
+    ops = SimpleNamespace(name="cuda", xp=_Untouchable(), device_checks=True,
+                          capabilities=Capabilities(cuda_graphs=True))
     weights = SimpleNamespace(embed=SimpleNamespace(out_features=VOCAB))
     decoder = SimpleNamespace(ops=ops, config=None, weights=weights)
     return GraphDecoder(decoder)  # type: ignore[arg-type]

@@ -23,15 +23,15 @@ def test_cuda_graphs_on_by_default_and_can_be_turned_off(command: str) -> None:
 def test_serve_passes_the_option_to_the_engine() -> None:
     for argv, want in (([], True), (["--no-cuda-graphs"], False)):
         args: argparse.Namespace = _parser().parse_args(["serve", *argv])
-        assert engine_from_args(args).options["cuda_graphs"] is want
-    assert Engine().options["cuda_graphs"] is True
+        assert engine_from_args(args).options.cuda_graphs is want
+    assert Engine().options.cuda_graphs is True
 
 
-def test_cpu_decoder_is_never_wrapped(tiny_llama) -> None:  # noqa: ANN001
+def test_cpu_decoder_is_never_wrapped(tiny_llama) -> None:
     from tf_async.backend.cpu.ops import CpuOps
 
     decoder = Decoder(tiny_llama, CpuOps())
-    assert _maybe_graphs(decoder, {"cuda_graphs": True}) is decoder
+    assert _maybe_graphs(decoder, cuda_graphs=True) is decoder
 
 
 def test_bad_engine_flag_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:

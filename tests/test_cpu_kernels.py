@@ -10,7 +10,7 @@ import pytest
 
 from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
-from tf_async.models.weights import AffineWeight, DenseWeight, quantize_affine
+from tf_async.backend.weights import AffineWeight, DenseWeight, quantize_affine
 
 OPS = CpuOps()
 

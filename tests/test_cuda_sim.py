@@ -16,7 +16,7 @@ from tests.cuda_sim_check import CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = (
-    ["matmul", "embed", "kv_write", "e4m3_exhaustive", "zero_and_rings", "norm_rope_silu", "moe",
+    ["matmul", "embed", "kv_write", "e4m3_exhaustive", "zero_pages", "norm_rope_silu", "moe",
      "cpu_twins"],
     ["attention", "attention_wide_heads", "grouped_matmul", "sampling", "fused_layer_ops"],
 )

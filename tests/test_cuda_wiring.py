@@ -14,8 +14,8 @@ import pytest
 from tf_async import BadInputError, Engine
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.backend.select import make_ops
+from tf_async.backend.weights import AffineWeight, DenseWeight
 from tf_async.models.decoder import Decoder
-from tf_async.models.weights import AffineWeight, DenseWeight
 
 
 @pytest.fixture()
@@ -23,13 +23,13 @@ def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
 
 
-def test_device_cuda_without_cupy_is_a_clear_error(no_cupy) -> None:  # noqa: ANN001
+def test_device_cuda_without_cupy_is_a_clear_error(no_cupy) -> None:
     with pytest.raises(BadInputError, match="--device cuda needs CuPy") as info:
         make_ops("cuda")
     assert info.value.param == "device"
 
 
-def test_device_auto_without_cupy_falls_back_to_cpu(no_cupy) -> None:  # noqa: ANN001
+def test_device_auto_without_cupy_falls_back_to_cpu(no_cupy) -> None:
     assert make_ops("auto").name == "cpu"
 
 
@@ -39,7 +39,7 @@ def test_unknown_device_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_engine_on_cuda_without_gpu_fails_at_start(tiny_llama, no_cupy) -> None:  # noqa: ANN001
+async def test_engine_on_cuda_without_gpu_fails_at_start(tiny_llama, no_cupy) -> None:
     with pytest.raises(BadInputError, match="CuPy"):
         async with Engine(tiny_llama, device="cuda", parallel=1, ctx=64):
             pass
@@ -57,7 +57,7 @@ class RecordingOps(CpuOps):
         self.calls["asarray"] += 1
         return super().asarray(array)
 
-    def upload_linear(self, w):  # noqa: ANN001, ANN201
+    def upload_linear(self, w):
         self.calls["upload_linear"] += 1
         self.uploaded.append(w)
         return super().upload_linear(w)
@@ -66,7 +66,7 @@ class RecordingOps(CpuOps):
         self.calls["to_host"] += 1
         return super().to_host(array)
 
-    def alloc_kv(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+    def alloc_kv(self, *args, **kw):
         self.calls["alloc_kv"] += 1
         return super().alloc_kv(*args, **kw)
 
@@ -74,7 +74,7 @@ class RecordingOps(CpuOps):
         self.calls["synchronize"] += 1
 
 
-def test_decoder_uploads_every_weight_once(tiny_llama) -> None:  # noqa: ANN001
+def test_decoder_uploads_every_weight_once(tiny_llama) -> None:
     ops = RecordingOps()
     Decoder(tiny_llama, ops)
     w = tiny_llama.weights
@@ -89,7 +89,7 @@ def test_decoder_uploads_every_weight_once(tiny_llama) -> None:  # noqa: ANN001
 
 
 @pytest.mark.asyncio
-async def test_engine_reaches_the_device_only_through_ops(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+async def test_engine_reaches_the_device_only_through_ops(tiny_llama, monkeypatch) -> None:
     from tf_async.engine import build
 
     ops = RecordingOps()
@@ -126,3 +126,20 @@ def test_every_kernel_waits_for_the_kernels_before_it() -> None:
                 if ast.unparse(target) == "cuda.jit" and not device:
                     bare.append(f"{path.name}:{node.name}")
     assert not bare, f"kernels made with cuda.jit instead of env.kernel: {bare}"
+
+
+def test_both_backends_share_one_set_of_argument_checks() -> None:
+    from tf_async.backend import checks, cuda_ops
+    from tf_async.backend.cpu import ops as cpu_ops
+
+    for name in ("check_array", "check_shape", "check_affine", "check_kv", "check_kv_dtype",
+                 "kv_shape", "num_pages_of"):
+        assert getattr(cuda_ops, name) is getattr(checks, name) is getattr(cpu_ops, name)
+    with pytest.raises(BadInputError, match="kv_write k: expected dtype float32"):
+        CpuOps().kv_write(np.zeros((1, 2, 4, 1, 2), np.float32), 0, np.zeros((1, 1, 2)),
+                          np.zeros((1, 1, 2), np.float32), np.zeros(1, np.int64), None)
+    q4 = AffineWeight(np.zeros((2, 1), np.uint32), np.ones((2, 2), np.float32),
+                      np.zeros((2, 2), np.float32), 4, 4)  # groups of 4 codes: half a word
+    checks.check_affine(q4)  # the CPU multiplies any whole groups
+    with pytest.raises(BadInputError, match="in 4-bit words"):
+        checks.check_affine(q4, whole_words=True)  # the GPU needs whole code words

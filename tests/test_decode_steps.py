@@ -50,7 +50,7 @@ MIXED = [dict(max_tokens=13, ignore_eos=True), dict(max_tokens=9, temperature=0.
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("steps", [2, 4, 7])
-async def test_decode_steps_equal_one_step_a_round(tiny_llama, steps: int) -> None:  # noqa: ANN001
+async def test_decode_steps_equal_one_step_a_round(tiny_llama, steps: int) -> None:
     plain, reasons, plain_plans, _ = await _run(tiny_llama, 1, MIXED)
     stepped, stepped_reasons, plans, idle = await _run(tiny_llama, steps, MIXED)
     assert stepped == plain and stepped_reasons == reasons
@@ -61,7 +61,7 @@ async def test_decode_steps_equal_one_step_a_round(tiny_llama, steps: int) -> No
 
 
 @pytest.mark.asyncio
-async def test_a_stream_that_stops_inside_a_round_keeps_no_later_token(tiny_llama) -> None:  # noqa: ANN001
+async def test_a_stream_that_stops_inside_a_round_keeps_no_later_token(tiny_llama) -> None:
     free, _, _, _ = await _run(tiny_llama, 1, [dict(max_tokens=20, ignore_eos=True)])
     stop = free[0][5]  # a token the stream produces mid-way: stopping on it ends a step early
     first = free[0].index(stop)
@@ -76,7 +76,7 @@ async def test_a_stream_that_stops_inside_a_round_keeps_no_later_token(tiny_llam
 
 
 @pytest.mark.asyncio
-async def test_decode_steps_with_queued_streams_and_a_tight_page_pool(tiny_llama) -> None:  # noqa: ANN001
+async def test_decode_steps_with_queued_streams_and_a_tight_page_pool(tiny_llama) -> None:
     kwargs = [dict(max_tokens=30, ignore_eos=True, temperature=0.7, seed=i) for i in range(6)]
     tight = dict(parallel=3, kv_pages=24)  # 6 streams queue for 3 lanes; pages run out: preemption
     plain, _, _, _ = await _run(tiny_llama, 1, kwargs, **tight)
@@ -87,7 +87,7 @@ async def test_decode_steps_with_queued_streams_and_a_tight_page_pool(tiny_llama
 
 
 @pytest.mark.asyncio
-async def test_rounds_that_cannot_step_run_one_step(tiny_llama) -> None:  # noqa: ANN001
+async def test_rounds_that_cannot_step_run_one_step(tiny_llama) -> None:
     # logprobs are read on the host at every token: while that stream runs, rounds take one step
     kwargs = [dict(max_tokens=12, ignore_eos=True), dict(max_tokens=5, ignore_eos=True, logprobs=2)]
     plain, _, _, _ = await _run(tiny_llama, 1, kwargs)
@@ -102,7 +102,7 @@ async def test_rounds_that_cannot_step_run_one_step(tiny_llama) -> None:  # noqa
 
 
 @pytest.mark.asyncio
-async def test_cancel_between_stepped_rounds_releases_everything(tiny_llama) -> None:  # noqa: ANN001
+async def test_cancel_between_stepped_rounds_releases_everything(tiny_llama) -> None:
     async with Engine(tiny_llama, device="cpu", parallel=2, ctx=96, page_size=4, decode_steps=4) as eng:
         stream = eng.stream(PROMPTS[0], max_tokens=80, ignore_eos=True)
         other = asyncio.ensure_future(eng.complete(PROMPTS[1], max_tokens=20, ignore_eos=True))
@@ -122,16 +122,13 @@ async def test_cancel_between_stepped_rounds_releases_everything(tiny_llama) -> 
 
 
 @pytest.mark.parametrize("bad", [0, 65, 2.0, True])
-def test_bad_decode_steps_is_a_clear_error(tiny_llama, bad: Any) -> None:  # noqa: ANN001
-    from tf_async.engine.build import validate_options
-
-    eng = Engine(tiny_llama, device="cpu", decode_steps=bad)
+def test_bad_decode_steps_is_a_clear_error(tiny_llama, bad: Any) -> None:
     with pytest.raises(BadInputError, match="decode_steps"):
-        validate_options(eng.options)
+        Engine(tiny_llama, device="cpu", decode_steps=bad)
 
 
 @pytest.mark.asyncio
-async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> None:  # noqa: ANN001
+async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> None:
     from tf_async import RequestFailedError
 
     kwargs = [dict(max_tokens=16, ignore_eos=True), dict(max_tokens=16, ignore_eos=True, seed=3, temperature=0.9)]
@@ -139,7 +136,7 @@ async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> Non
     async with Engine(tiny_llama, device="cpu", parallel=4, ctx=96, page_size=4, decode_steps=4) as eng:
         plans = record_plans(eng)
 
-        def inject(rows) -> None:  # noqa: ANN001 - the first request (id 1) fails mid-stream
+        def inject(rows) -> None:  # the first request (id 1) fails mid-stream
             if rows.request_id == 1 and rows.start_pos >= len(PROMPTS[0]) + 5:
                 raise RuntimeError("injected fault")
 
@@ -159,7 +156,7 @@ async def test_a_failed_stepped_round_fails_only_that_request(tiny_llama) -> Non
 
 
 @pytest.mark.asyncio
-async def test_decode_steps_with_a_device_sampler(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+async def test_decode_steps_with_a_device_sampler(tiny_llama, monkeypatch) -> None:
     """On ops that choose tokens where the logits are (the CPU stand-in of the GPU's sampler):
     the steps feed each chosen id on the 'device', upload the seeded rows' sampler arrays before
     the first step, copy no logits and only the ids of all steps at once; same outputs."""

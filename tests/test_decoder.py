@@ -100,3 +100,21 @@ def test_low_precision_kv_is_stepped_equal_whole_and_close_to_f32(tmp_path, kv_d
     rel = np.abs(whole - f32).max() / np.abs(f32).max()
     assert rel < (0.02 if kv_dtype == "bf16" else 0.1), rel
     assert (whole.argmax(-1) == f32.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize(("arch", "extra"), ARCHS[:5])
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8"])
+def test_cpu_runs_the_fused_layer_code_with_the_bits_of_the_basic_ops(tmp_path, arch, extra, kv_dtype):
+    """The CPU's layer ops (CpuOps.concat_linears, attn_inputs, ...) are the basic ops they
+    stand for: the decoder's fused layer code gives the same bits as the per-op fallback."""
+    from tests.tiny_hf import write_hf
+
+    cfg = tiny_config(arch, **extra)
+    ckpt = load_checkpoint(write_hf(tmp_path, cfg, random_hf_weights(cfg, seed=5)))
+    fused, basic = Decoder(ckpt, CpuOps()), Decoder(ckpt, CpuOps())
+    assert all(layer is not None for layer in fused.fused)  # every layer runs the fused code
+    basic.fused = [None] * len(basic.fused)  # every layer through _attention and _mlp
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, cfg["vocab_size"], 13)]
+    for cuts in ([13], [5, 1, 7]):
+        assert np.array_equal(run_steps(fused, tokens, cuts, kv_dtype),
+                              run_steps(basic, tokens, cuts, kv_dtype))

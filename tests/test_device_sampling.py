@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 from tests.engine_helpers import engines_on_ops, idle_stats, record_plans
 from tf_async import Engine
 from tf_async.api_types import SamplingParams
-from tf_async.backend.base import device_sampler
+from tf_async.backend.base import Capabilities, device_sampler
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.engine.choice import token_choices
 from tf_async.engine.runner import Runner
@@ -51,6 +52,8 @@ def twin_sample(row: np.ndarray, temp: float, top_k: int, top_p: float, seed: in
 class DeviceStyleOps:
     """CpuOps with the optional device-sampler capability; records every to_host copy."""
 
+    capabilities = Capabilities(device_sampling=True)
+
     def __init__(self) -> None:
         self._inner = CpuOps()
         self.copies: list[tuple[tuple[int, ...], str]] = []  # (shape, dtype) of each to_host
@@ -69,7 +72,7 @@ class DeviceStyleOps:
         self.launches.append(("argmax", logits.shape[0]))
         return np.argmax(logits, axis=1).astype(np.int64)
 
-    def sample(self, logits, temps, top_ks, top_ps, seeds, positions) -> np.ndarray:  # noqa: ANN001
+    def sample(self, logits, temps, top_ks, top_ps, seeds, positions) -> np.ndarray:
         rows = logits.shape[0]
         assert logits.dtype == np.float32 and logits.ndim == 2 and logits.flags.c_contiguous
         for arr, dtype in ((temps, np.float32), (top_ks, np.int32), (top_ps, np.float32),
@@ -118,7 +121,7 @@ def test_device_choices_carry_the_host_samplers_positions_and_seed():
 def bare_runner(ops: Any) -> Runner:
     runner = Runner.__new__(Runner)
     runner.ops = ops
-    runner.decoder = None  # no GraphDecoder: no argmax of its own
+    runner.decoder = SimpleNamespace(argmax_of=lambda logits: None)  # no graph: no argmax of its own
     runner.sampler = device_sampler(ops)
     return runner
 
@@ -158,7 +161,7 @@ def test_all_greedy_is_one_argmax_and_no_logits_copied():
 
 def test_without_a_device_sampler_every_row_goes_to_the_host_as_before():
     class HostOnly(DeviceStyleOps):
-        chooses_tokens = False
+        capabilities = Capabilities()  # has the methods, does not declare the capability
 
     for ops in (HostOnly(), CpuOps()):
         assert device_sampler(ops) is None
@@ -179,10 +182,10 @@ def device_ops(monkeypatch: pytest.MonkeyPatch) -> list[DeviceStyleOps]:
 
 
 def make_engine(ckpt, **kw: Any) -> Engine:
-    opts: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16)
-    eng = Engine(ckpt, **{**opts, **kw})
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams
+    opts: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16,
+                                ngram_min=1)
+    return Engine(ckpt, **{**opts, **kw})
 
 
 def check_plan_choices(plans: list[RoundPlan], device_ids: set[int]) -> int:
@@ -427,7 +430,7 @@ async def test_cuda_engine_chooses_tokens_on_the_device(tiny_llama) -> None:
         copies: list[tuple[int, ...]] = []
         to_host = ops.to_host
 
-        def spy(array):  # noqa: ANN001, ANN202
+        def spy(array):
             copies.append(tuple(array.shape))
             return to_host(array)
 

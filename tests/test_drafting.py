@@ -14,20 +14,19 @@ from tests.engine_helpers import idle_stats
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async import BadInputError, Engine, RequestFailedError
 from tf_async.api_types import SamplingParams
-from tf_async.engine import drafting
 from tf_async.engine.area import ALIGN_BYTES, AreaLayout, AreaPool, address, align_up
 from tf_async.engine.build import build_engine
-from tf_async.engine.drafting import DraftContexts, ngram_lookup
+from tf_async.engine.drafters import contexts as drafter_contexts
+from tf_async.engine.drafters.contexts import DraftContexts
+from tf_async.engine.drafters.ngram import NgramDrafter, ngram_lookup
 from tf_async.engine.sched import make_sequence
 from tf_async.gate import PROMPTS
 
 
 def build(ckpt, drafter: str, **kw):
     """Engine parts (no engine thread) with a drafter attached."""
-    extra = {k: kw.pop(k) for k in ("draft_areas", "draft_ring") if k in kw}
     base = dict(device="cpu", parallel=2, ctx=64, page_size=4, drafter=drafter)
-    opts = dict(Engine(ckpt, **{**base, **kw}).options, **extra)
-    return build_engine(opts, lambda events: None)
+    return build_engine(Engine(ckpt, **{**base, **kw}).options, lambda events: None)
 
 
 def open_stream(parts, request_id: int):
@@ -142,7 +141,7 @@ def test_owned_context_goes_back_to_the_pool(tiny_llama, tiny_llama_dir):
 
 def test_mutation_pooling_a_borrowed_context_turns_red(tiny_llama, tiny_llama_dir, monkeypatch):
     """The check above must catch the bug it guards against: pool every context."""
-    monkeypatch.setattr(drafting, "should_pool", lambda ctx: True)
+    monkeypatch.setattr(drafter_contexts, "should_pool", lambda ctx: True)
     with pytest.raises(AssertionError):
         cycle_with_one_area(build(tiny_llama, f"draft:{tiny_llama_dir}", draft_areas=1))
 
@@ -175,10 +174,23 @@ def test_mtp_on_a_model_without_mtp_layer_and_unknown_drafter_are_clear_errors(t
         build(tiny_llama, "medusa")
 
 
+def test_drafter_specs_parse_against_the_one_table_of_kinds():
+    from tf_async.engine.drafters.registry import KINDS, parse_drafter
+    from tf_async.engine.drafting import DrafterSpec
+
+    assert set(KINDS) == {"ngram", "mtp", "draft"}
+    assert parse_drafter("ngram") == DrafterSpec("ngram")
+    assert parse_drafter("mtp") == DrafterSpec("mtp")
+    assert parse_drafter("draft:/m/a:b") == DrafterSpec("draft", "/m/a:b")
+    for bad in ("draft", "draft:", "ngram:x", "mtp:", "medusa", ""):
+        with pytest.raises(BadInputError, match="expected one of ngram, mtp, draft:PATH"):
+            parse_drafter(bad)
+
+
 def test_ngram_proposals_shrink_after_a_rejection_and_grow_back_after_full_acceptance():
     from tf_async.engine.sequence import SeqRows
 
-    drafter = drafting.NgramDrafter(draft_tokens=8)
+    drafter = NgramDrafter(draft_tokens=8)
     seq = make_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], SamplingParams(), 0, ())
     seq.lane = 0
     drafter.open(seq)

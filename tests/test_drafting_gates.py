@@ -30,12 +30,11 @@ def sampling(mode: str, index: int) -> dict:
 
 
 def make_engine(ckpt, *, draft_areas: int | None = None, **kw) -> Engine:
-    opts = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16)
-    eng = Engine(ckpt, **{**opts, **kw})
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams: draft on 1
-    if draft_areas is not None:
-        eng.options["draft_areas"] = draft_areas  # fewer areas than lanes: owned fallbacks
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams; draft_areas: fewer areas
+    # than lanes make owned fallbacks
+    opts = dict(device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16, ngram_min=1,
+                draft_areas=draft_areas)
+    return Engine(ckpt, **{**opts, **kw})
 
 
 async def run_all(eng: Engine, prompts: list[str], mode: str) -> list[list[int]]:
@@ -49,7 +48,7 @@ def record_draft_sizes(eng: Engine) -> list[int]:
     sched = eng.parts.scheduler
     build_rows = sched._decode_rows
 
-    def decode_rows(seq, pages_to_zero):  # noqa: ANN001, ANN202
+    def decode_rows(seq, pages_to_zero):
         rows = build_rows(seq, pages_to_zero)
         sizes.append(len(rows.draft_ids) if rows is not None else 0)
         return rows

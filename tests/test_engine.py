@@ -24,7 +24,7 @@ async def test_all_gates_pass_on_tiny_model(tiny_llama):
     rows, idle = await run_gates(tiny_llama, device="cpu", max_tokens=12, ctx=256)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1) + 1
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
 
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from tf_async.backend.cuda_ops import CudaOps
+from tf_async.backend.weights import AffineWeight, DenseWeight, quantize_affine
 from tf_async.models.checkpoint import LayerWeights, ModelWeights
 from tf_async.models.decoder import _fuse_layers
-from tf_async.models.weights import AffineWeight, DenseWeight, quantize_affine
 
 H = 128
 

@@ -10,10 +10,10 @@ from tf_async.cli import main
 
 @pytest.mark.parametrize("argv,want", [([], "ngram"), (["--drafter", "none"], None),
                                        (["--drafter", "mtp"], "mtp")])
-def test_gate_drafts_with_ngram_by_default(monkeypatch, capsys, argv, want) -> None:  # noqa: ANN001
+def test_gate_drafts_with_ngram_by_default(monkeypatch, capsys, argv, want) -> None:
     seen = {}
 
-    async def fake_run_gates(model, **kw):  # noqa: ANN001, ANN003, ANN202
+    async def fake_run_gates(model, **kw):
         seen.update(kw)
         return [gate.GateRow("drafted == plain (x)", "greedy", 1, 1)], {}
 

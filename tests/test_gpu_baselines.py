@@ -31,7 +31,7 @@ def test_there_are_gpu_baselines_for_dense_and_hybrid_models() -> None:
 
 
 @pytest.mark.parametrize("name", CUDA_BASELINES)
-def test_tiny_model_on_the_gpu_equals_its_baseline(tmp_path, name) -> None:  # noqa: ANN001
+def test_tiny_model_on_the_gpu_equals_its_baseline(tmp_path, name) -> None:
     path = baseline_path(name, "cuda")
     ckpt = load_checkpoint(TINY_MODELS[name](tmp_path / name))
     results = asyncio.run(baseline.check(ckpt, baseline.load(path), path))

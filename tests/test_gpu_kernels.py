@@ -23,7 +23,7 @@ ROW_BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     pytest.importorskip("cupy")
     from tf_async.backend.cuda_ops import CudaOps
 
@@ -35,18 +35,18 @@ def rng() -> np.random.Generator:
     return np.random.default_rng()
 
 
-def _poisoned(ops, shape, dtype=np.float32):  # noqa: ANN001, ANN202
+def _poisoned(ops, shape, dtype=np.float32):
     fill = np.nan if np.dtype(dtype).kind == "f" else -1
     return ops.xp.full(shape, fill, dtype=dtype)
 
 
-def _run(ops, fn, *arrays_and_scalars, **kw) -> None:  # noqa: ANN001
+def _run(ops, fn, *arrays_and_scalars, **kw) -> None:
     args = [ops._dev(a) if isinstance(a, ops.xp.ndarray) else a for a in arrays_and_scalars]
     fn(*args, ops._stream(), **kw)
     ops.synchronize()
 
 
-def _matmul(ops, kind, x, parts, gs, path=None):  # noqa: ANN001, ANN202
+def _matmul(ops, kind, x, parts, gs, path=None):
     from cuda_kernels import launch
 
     out = _poisoned(ops, (x.shape[0], parts[0].shape[1]))
@@ -56,7 +56,7 @@ def _matmul(ops, kind, x, parts, gs, path=None):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("kind,bits", [("q4", 4), ("q8", 8)])
-def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:  # noqa: ANN001
+def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:
     in_f, out_f, gs = 4096, 1536, 64
     codes, scales, biases, deq = ref.affine_weight(rng, 1, out_f, in_f, bits, gs)
     x = rng.standard_normal((37, in_f)).astype(np.float32)
@@ -71,7 +71,7 @@ def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:
 
 
 @pytest.mark.parametrize("kind,bits,gs", [("q4", 4, 64), ("q8", 8, 32)])
-def test_int8_x_matmul_equals_cpu_twin(ops, rng, kind, bits, gs) -> None:  # noqa: ANN001
+def test_int8_x_matmul_equals_cpu_twin(ops, rng, kind, bits, gs) -> None:
     """The int8-activation matmul gives its CPU twin's bits (tf_async/backend/cpu/kernels.py):
     the same int8 x and chunk scales, the same outputs, on both paths."""
     from cuda_kernels import launch
@@ -96,7 +96,7 @@ def test_int8_x_matmul_equals_cpu_twin(ops, rng, kind, bits, gs) -> None:  # noq
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_dense_matmul(ops, rng, kind) -> None:  # noqa: ANN001
+def test_dense_matmul(ops, rng, kind) -> None:
     w = rng.standard_normal((1, 1000, 2048)).astype(np.float32)
     dummy = np.zeros((1, 1, 1), np.float32)
     if kind == "bf16":
@@ -111,12 +111,12 @@ def test_dense_matmul(ops, rng, kind) -> None:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def matmul_cases():  # noqa: ANN201
+def matmul_cases():
     return ref.matmul_cases(np.random.default_rng(), rows=37, out_f=4104, scale=16)
 
 
 @pytest.mark.parametrize("case", range(7))
-def test_matmul_rows_paths_alignment_invariance(ops, matmul_cases, case) -> None:  # noqa: ANN001
+def test_matmul_rows_paths_alignment_invariance(ops, matmul_cases, case) -> None:
     """Every kind at sizes ending in a partial step, a non-power-of-two group, a row shorter
     than a warp: float64 bound, and each row bit-identical across row counts, paths and
     the alignment of x (scalar-load kernels)."""
@@ -142,7 +142,7 @@ QWEN3_8B_LAYER = ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288
                   (12288, 4096), (4096, 12288))
 
 
-def _layer_weights(xp, kind: str) -> list[tuple[tuple, int]]:  # noqa: ANN001
+def _layer_weights(xp, kind: str) -> list[tuple[tuple, int]]:
     """One layer's weights on the device: [(words, scales, biases), bytes] per linear."""
     layer = []
     for out_f, in_f in QWEN3_8B_LAYER:
@@ -158,7 +158,7 @@ def _layer_weights(xp, kind: str) -> list[tuple[tuple, int]]:  # noqa: ANN001
     return layer
 
 
-def _replay_seconds(xp, stream, record, replays: int) -> float:  # noqa: ANN001
+def _replay_seconds(xp, stream, record, replays: int) -> float:
     """GPU seconds of one replay of a CUDA graph of record()'s launches on `stream`: record()
     runs once eagerly (compiles), once under capture (relaxed, as
     tf_async/models/graph_decoder.py captures); replays timed with events."""
@@ -176,7 +176,7 @@ def _replay_seconds(xp, stream, record, replays: int) -> float:  # noqa: ANN001
     return xp.cuda.get_elapsed_time(start, stop) / 1e3 / replays
 
 
-def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: ANN001
+def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:
     """GPU seconds per layer: every linear of every layer captured in one CUDA graph (as the
     engine's decode rounds are), replays timed with events."""
     from cuda_kernels import launch
@@ -203,7 +203,7 @@ def _graph_seconds(ops, kind: str, layers: list, rows: int) -> float:  # noqa: A
 
 
 @pytest.mark.parametrize("kind", ["q4", "bf16"])
-def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:  # noqa: ANN001
+def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:
     """The 7 linears of a Qwen3-8B layer (weights of 4 layers, more than L2 holds) at 1, 8,
     32 and 256 rows: prints ms per 36 layers and weight bytes/s (pytest -s); a measurement for
     docs/PERFORMANCE.md, never a timed assertion. The H200 copies at ~4.2 TB/s."""
@@ -218,7 +218,7 @@ def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:  # noqa: ANN001
     assert all(rate > 0 for rate in rates.values())  # figures only: no timed assertion
 
 
-def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):  # noqa: ANN001, ANN202
+def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):
     from cuda_kernels import launch
 
     out = _poisoned(ops, q.shape)
@@ -231,7 +231,7 @@ def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_sca
 
 @pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64), (16, 2, 256)])
-def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN001
+def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:
     page_size, scales = 16, (0.05, 0.04)
     bt, kv = ref.paged_setup(rng, seqs=3, max_pages=40, page_size=page_size, nkv=nkv, hd=hd)
     kv_layer = ref.to_kv_dtype(kv * 3, kv_kind, scales)
@@ -249,7 +249,7 @@ def test_paged_attention(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN00
 
 @pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (8, 2, 256)])
-def test_paged_attention_long_context(ops, rng, kv_kind, nh, nkv, hd) -> None:  # noqa: ANN001
+def test_paged_attention_long_context(ops, rng, kv_kind, nh, nkv, hd) -> None:
     """2048 keys (32 chunks of 64), rows at chunk boundaries (chunks of 32 keys up to 1024
     keys, of 64 past) and a causal prompt run; a row alone == in the batch == in a batch with a
     block table twice as wide == through CudaOps.attention (its own scratch), bit for bit."""
@@ -279,7 +279,7 @@ def test_paged_attention_long_context(ops, rng, kv_kind, nh, nkv, hd) -> None:  
 
 
 @pytest.mark.parametrize("keys", [72, 2048])
-def test_attention_decode_time_qwen3_8b(ops, rng, keys) -> None:  # noqa: ANN001
+def test_attention_decode_time_qwen3_8b(ops, rng, keys) -> None:
     """One decode row of Qwen3-8B (32 q heads, 8 KV heads, head_dim 128, bf16 KV) at `keys`
     keys, with a static block table 16K keys wide as graph_decoder uses: prints microseconds
     per layer of graph replays (pytest -s); a measurement, never a timed assertion."""
@@ -309,7 +309,7 @@ def test_attention_decode_time_qwen3_8b(ops, rng, keys) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_kv_write_bits(ops, rng, kv_dtype) -> None:  # noqa: ANN001
+def test_kv_write_bits(ops, rng, kv_dtype) -> None:
     from cuda_kernels import launch
 
     rows, nkv, hd = 300, 8, 128
@@ -325,10 +325,10 @@ def test_kv_write_bits(ops, rng, kv_dtype) -> None:  # noqa: ANN001
     assert np.array_equal(ops.to_host(kv_layer)[:, slots], want)
 
 
-def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
+def test_ops_level_against_cpu(ops, rng) -> None:
     """CudaOps end to end (allocation, checks, stream) against CpuOps on the same inputs."""
     from tf_async.backend.cpu.ops import CpuOps
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     cpu = CpuOps(int8_x=True)
     w = quantize_affine(rng.standard_normal((512, 256)).astype(np.float32), 4, 64)
@@ -350,11 +350,11 @@ def test_ops_level_against_cpu(ops, rng) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) -> None:  # noqa: ANN001
+def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) -> None:
     """Qwen3-8B sizes: concat_linears views == the originals, linear_into == h + linear,
     swiglu_linear == silu_mul of two linears, attn_inputs == rms_norm + rope + kv_write;
     bit for bit, fresh random inputs, outputs poisoned."""
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     nh, nkv, hd, hidden, inter = 32, 8, 128, 4096, 1024
     xp = ops.xp
@@ -394,7 +394,7 @@ def test_fused_layer_ops_equal_the_ops_they_replace(ops, rng, kv_dtype, rows) ->
     assert bool(xp.array_equal(kv_got.view(xp.uint8), kv_want.view(xp.uint8)))
 
 
-def _int8_bits(ops, rows_f32, kind):  # noqa: ANN001, ANN202
+def _int8_bits(ops, rows_f32, kind):
     """quantize_rows of float32 rows on the CPU twin: (xq, xs) as NumPy."""
     from tf_async.backend.cpu import kernels as cpu
 
@@ -407,12 +407,12 @@ def _int8_bits(ops, rows_f32, kind):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 64])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_attention_written_as_int8_x(ops, rng, rows, bits) -> None:  # noqa: ANN001
+def test_attention_written_as_int8_x(ops, rng, rows, bits) -> None:
     """attention_for (the combine launch also writes the rows' int8 x) gives attention's float32
     rows and the bits of quantize_rows of them (Qwen3-8B heads, 1..300 keys a row: chunks of 32
     and 64 keys, several blocks a row; fresh inputs, poisoned outputs)."""
     from tf_async.backend.cuda_ops import Int8Rows
-    from tf_async.models.weights import quantize_affine
+    from tf_async.backend.weights import quantize_affine
 
     nh, nkv, hd, hidden, page = 32, 8, 128, 4096, 16
     xp = ops.xp
@@ -433,7 +433,7 @@ def test_attention_written_as_int8_x(ops, rng, rows, bits) -> None:  # noqa: ANN
     assert bool(xp.array_equal(ops.linear(got, o_w), ops.linear(plain, o_w)))
 
 
-def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
+def test_launches_follow_cupys_current_stream(ops, rng) -> None:
     x = rng.standard_normal((64, 4096)).astype(np.float32)
     w = rng.standard_normal(4096).astype(np.float32)
     stream = ops.xp.cuda.Stream(non_blocking=True)
@@ -446,7 +446,7 @@ def test_launches_follow_cupys_current_stream(ops, rng) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("dim", [896, 2560, 4000, 4096])
-def test_held_rms_norm_bits(ops, rng, dim) -> None:  # noqa: ANN001
+def test_held_rms_norm_bits(ops, rng, dim) -> None:
     """The rms_norm that holds a row in registers gives the general kernel's bits (real widths,
     a partly filled last slot at 4000), outputs poisoned first."""
     from cuda_kernels import launch, norm
@@ -461,7 +461,7 @@ def test_held_rms_norm_bits(ops, rng, dim) -> None:  # noqa: ANN001
     assert np.array_equal(ops.to_host(held), ops.to_host(general))
 
 
-def test_rows_ops(ops, rng) -> None:  # noqa: ANN001
+def test_rows_ops(ops, rng) -> None:
     q = rng.standard_normal((40, 32, 128)).astype(np.float32)
     pos = rng.integers(0, 40000, size=40).astype(np.int64)
     inv_freq = (1e6 ** (-np.arange(0, 128, 2) / 128)).astype(np.float32)
@@ -473,9 +473,9 @@ def test_rows_ops(ops, rng) -> None:  # noqa: ANN001
     assert ref.rel_err(got, ref.silu_mul_ref(gate, up)) < ROW_BOUND
 
 
-def test_moe_against_cpu(ops, rng) -> None:  # noqa: ANN001
+def test_moe_against_cpu(ops, rng) -> None:
     from tf_async.backend.cpu.ops import CpuOps
-    from tf_async.models.weights import DenseWeight, quantize_affine
+    from tf_async.backend.weights import DenseWeight, quantize_affine
 
     cpu = CpuOps(int8_x=True)
     hidden, inter, experts = 256, 128, 8
@@ -491,7 +491,7 @@ def test_moe_against_cpu(ops, rng) -> None:  # noqa: ANN001
     assert np.array_equal(solo[0], got[4])
 
 
-def test_sampling(ops, rng) -> None:  # noqa: ANN001
+def test_sampling(ops, rng) -> None:
     from cuda_kernels import sampling
 
     rows, vocab = 6, 151936
@@ -513,13 +513,13 @@ def test_sampling(ops, rng) -> None:  # noqa: ANN001
     assert solo[0] == got[3]
 
 
-def test_int8_rows_for_another_weight_kind_is_a_clear_error(ops, rng) -> None:  # noqa: ANN001
+def test_int8_rows_for_another_weight_kind_is_a_clear_error(ops, rng) -> None:
     """Int8Rows made for a 4-bit weight (q4 byte order) refused by an 8-bit one, and by a
     weight that takes float32 x (group of 16), with a clear BadInputError."""
+    from tf_async.backend.weights import quantize_affine
     from tf_async.errors import BadInputError
-    from tf_async.models.weights import quantize_affine
 
-    def weight(bits, group):  # noqa: ANN001, ANN202
+    def weight(bits, group):
         return ops.upload_linear(quantize_affine(rng.standard_normal((64, 256)).astype(np.float32), bits, group))
 
     x = ops.asarray(rng.standard_normal((3, 256)).astype(np.float32))

@@ -167,7 +167,7 @@ def gpu_delta(dev: Device, kernel: str, inp: dict[str, np.ndarray], rows: slice 
 @pytest.mark.parametrize("kernel", ["gated_delta_rule", "gated_delta_rule_column_parallel"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_delta_rule_matches_cpu_twin(dev, rng, model, rows, kernel) -> None:  # noqa: ANN001
+def test_delta_rule_matches_cpu_twin(dev, rng, model, rows, kernel) -> None:
     s = SHAPES[model]
     inp = delta_inputs(rng, rows, s.hk, s.hv, s.dk, s.dv)
     out, state = gpu_delta(dev, kernel, inp)
@@ -178,7 +178,7 @@ def test_delta_rule_matches_cpu_twin(dev, rng, model, rows, kernel) -> None:  # 
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_delta_rule_split_equals_whole(dev, rng, model) -> None:  # noqa: ANN001
+def test_delta_rule_split_equals_whole(dev, rng, model) -> None:
     """64 prompt rows (16 in the simulator) in one chunked launch == the recurrent launch ==
     cut into 1 + 6 + the rest == one decode row at a time, outputs and states bit for bit."""
     s = SHAPES[model]
@@ -211,7 +211,7 @@ def _mixed_with_v(rng: np.random.Generator, s: Shape, v: np.ndarray) -> np.ndarr
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_delta_rule_batch_of_streams(dev, rng, model) -> None:  # noqa: ANN001
+def test_delta_rule_batch_of_streams(dev, rng, model) -> None:
     """Rows of five streams in one launch (state slots out of order, v a strided view as in
     the engine) == each stream alone, bit for bit; slots no row names stay untouched; and
     the batch against the CPU batch kernel."""
@@ -252,7 +252,7 @@ def test_delta_rule_batch_of_streams(dev, rng, model) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_conv_rows_and_steps(dev, rng, model, rows) -> None:  # noqa: ANN001
+def test_conv_rows_and_steps(dev, rng, model, rows) -> None:
     """Prompt rows against the CPU twin (the carried state exactly: raw rows), and one-step
     launches row by row == the rows launch, bit for bit."""
     s = SHAPES[model]
@@ -276,7 +276,7 @@ def test_conv_rows_and_steps(dev, rng, model, rows) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_conv_batch_of_streams(dev, rng, model) -> None:  # noqa: ANN001
+def test_conv_batch_of_streams(dev, rng, model) -> None:
     s = SHAPES[model]
     streams = [conv_inputs(rng, n, s.channels, s.kernel) for n, _ in STREAMS]
     weight = streams[0]["weight"]
@@ -338,7 +338,7 @@ def _against_cpu(dev: Device, name: str, args: list[Any], out_shapes: list[tuple
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_gates_and_norms(dev, rng, model, rows) -> None:  # noqa: ANN001
+def test_gates_and_norms(dev, rng, model, rows) -> None:
     s, f32 = SHAPES[model], np.float32
     a, b = (rng.standard_normal((rows, s.hv)).astype(f32) * 4 for _ in range(2))
     a[0, 0], b[0, -1] = 30.0, -40.0  # softplus's linear branch; sigmoid far in its tail
@@ -356,7 +356,7 @@ def test_gates_and_norms(dev, rng, model, rows) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_gated_attention_kernels(dev, rng, model, rows) -> None:  # noqa: ANN001
+def test_gated_attention_kernels(dev, rng, model, rows) -> None:
     """split_query_gate copies exactly; sigmoid_gate_mul against the CPU, out of place and in
     place (the engine writes into attn), and at the MoE shared-expert gate's width H."""
     s, f32 = SHAPES[model], np.float32
@@ -392,7 +392,7 @@ def gpu() -> None:
 
 
 @pytest.fixture(scope="module")
-def hybrids(gpu, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: ANN001
+def hybrids(gpu, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The CPU engine tests' tiny hybrids: dense and MoE, HF bf16 and MLX 4-bit, with MTP."""
     from tf_async.models.loader import load_checkpoint
 
@@ -406,7 +406,7 @@ GATE_CASES = [(name, "f32") for name in VARIANTS] + [("moe-mlx4", "fp8")]
 
 @pytest.mark.parametrize("name,kv_dtype", GATE_CASES)
 @pytest.mark.asyncio
-async def test_every_gate_holds_on_the_gpu(hybrids, name, kv_dtype) -> None:  # noqa: ANN001
+async def test_every_gate_holds_on_the_gpu(hybrids, name, kv_dtype) -> None:
     """concurrent == solo, paging == contiguous, stepped == whole, drafted == plain (MTP and
     ngram), greedy and seeded (hot, far from greedy), idle is empty."""
     rows, idle = await run_gates(hybrids[name], device="cuda", kv_dtype=kv_dtype,
@@ -414,14 +414,14 @@ async def test_every_gate_holds_on_the_gpu(hybrids, name, kv_dtype) -> None:  # 
                                  drafters=("mtp", "ngram"), temperature=HOT)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 2) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1 + 2) + 1
     mtp = idle["drafted-mtp-seeded"]
     assert mtp["drafted_tokens"] > 0 and mtp["recurrent_state_bytes_per_lane"] > 0
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
 
 
 @pytest.mark.asyncio
-async def test_engine_keeps_the_recurrent_state_on_the_device(hybrids) -> None:  # noqa: ANN001
+async def test_engine_keeps_the_recurrent_state_on_the_device(hybrids) -> None:
     import cupy
 
     from tf_async import Engine
@@ -490,10 +490,10 @@ def _run(decoder: Any, streams: list[tuple[int, list[int]]], step: int | None = 
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_hybrid_decoder_gpu_logits_close_to_cpu_and_batch_invariant(hybrids, name) -> None:  # noqa: ANN001
+def test_hybrid_decoder_gpu_logits_close_to_cpu_and_batch_invariant(hybrids, name) -> None:
     from tf_async.backend.cpu.ops import CpuOps
     from tf_async.backend.cuda_ops import CudaOps
-    from tf_async.models.qwen35 import make_decoder
+    from tf_async.models.loader import make_decoder
 
     ckpt = hybrids[name]
     streams = [(lane, list(ids)) for lane, ids in enumerate(STREAM_TOKENS)]

@@ -21,6 +21,7 @@ from tests.tiny_gguf import (
     write_gguf,
     write_gguf_raw,
 )
+from tf_async.backend.weights import AffineWeight, DenseWeight
 from tf_async.errors import ModelFormatError
 from tf_async.models import default as default_module
 from tf_async.models.config import config_from_hf
@@ -34,7 +35,6 @@ from tf_async.models.gguf_io import (
     unpermute_rows,
 )
 from tf_async.models.loader import load_checkpoint
-from tf_async.models.weights import AffineWeight, DenseWeight
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 # type -> (bits, group_size) of the AffineWeight it becomes

@@ -28,12 +28,12 @@ from tests.tiny_hf import (
     write_mlx,
     write_safetensors,
 )
+from tf_async.backend.weights import AffineWeight, DenseWeight
 from tf_async.errors import ModelFormatError
 from tf_async.models.checkpoint import ModelWeights
 from tf_async.models.hf import load_hf_folder, load_hf_weights
 from tf_async.models.loader import load_checkpoint
 from tf_async.models.safetensors_io import load_safetensors, read_safetensors_header
-from tf_async.models.weights import AffineWeight, DenseWeight
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 _LINEAR_FIELDS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",

@@ -75,7 +75,7 @@ def test_idle_cached_pages_are_evicted_least_recently_used_first() -> None:
     assert cache.lookup(bytes([0]), (0,)) is None
 
 
-def test_keys_chain_and_separate_salts_and_kv_settings(tiny_llama) -> None:  # noqa: ANN001
+def test_keys_chain_and_separate_salts_and_kv_settings(tiny_llama) -> None:
     root = root_key(b"model", None)
     assert root != root_key(b"model", "tenant-a") != root_key(b"model", "tenant-b")
     assert next_key(root, (1, 2)) != next_key(next_key(root, (9, 9)), (1, 2))
@@ -101,7 +101,7 @@ async def _chat(eng: Engine, turns: int, mode: str, seed: int = 0) -> list[tuple
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 @pytest.mark.parametrize("turns", [2, 5])
-async def test_resumed_chat_equals_fresh(tiny_llama, mode, turns) -> None:  # noqa: ANN001
+async def test_resumed_chat_equals_fresh(tiny_llama, mode, turns) -> None:
     async with Engine(tiny_llama, **OPTIONS) as eng:
         resumed = await _chat(eng, turns, mode)
         stats = await idle_stats(eng)
@@ -123,7 +123,7 @@ async def _shared_prefix(eng: Engine, num_streams: int, mode: str) -> list[list[
 
 
 @pytest.mark.parametrize("num_streams", [1, 2, 4, 8])
-async def test_concurrent_streams_sharing_a_prefix_equal_fresh(tiny_llama, num_streams) -> None:  # noqa: ANN001
+async def test_concurrent_streams_sharing_a_prefix_equal_fresh(tiny_llama, num_streams) -> None:
     for mode in ("greedy", "seeded"):
         async with Engine(tiny_llama, **{**OPTIONS, "parallel": 8}) as eng:
             shared = await _shared_prefix(eng, num_streams, mode)
@@ -134,7 +134,7 @@ async def test_concurrent_streams_sharing_a_prefix_equal_fresh(tiny_llama, num_s
         assert (stats["prefix_cache_hit_pages"] > 0) == (num_streams > 1)
 
 
-async def test_eviction_under_pressure_never_changes_an_output(tiny_llama) -> None:  # noqa: ANN001
+async def test_eviction_under_pressure_never_changes_an_output(tiny_llama) -> None:
     options = {**OPTIONS, "parallel": 2, "ctx": 64, "kv_pages": 2 * 64 // PAGE}
     prompts = [_tokens(300 + i, 40) for i in range(6)] * 2  # the second pass hits or re-evicts
 
@@ -155,7 +155,7 @@ async def test_eviction_under_pressure_never_changes_an_output(tiny_llama) -> No
     assert preemptions <= preemptions_fresh  # idle cached pages go before any running stream
 
 
-async def test_a_cancel_mid_prompt_then_the_same_prompt_equals_fresh(tiny_llama) -> None:  # noqa: ANN001
+async def test_a_cancel_mid_prompt_then_the_same_prompt_equals_fresh(tiny_llama) -> None:
     prompt = _tokens(5, 90)
     async with Engine(tiny_llama, **{**OPTIONS, "step_tokens": 8}) as eng:
         stream = eng.stream(prompt, **_sampling("greedy", 0))
@@ -174,7 +174,7 @@ async def test_a_cancel_mid_prompt_then_the_same_prompt_equals_fresh(tiny_llama)
     assert again.usage.cached_tokens >= 4 * PAGE
 
 
-async def test_resumed_equals_fresh_with_ngram_drafting(tiny_llama) -> None:  # noqa: ANN001
+async def test_resumed_equals_fresh_with_ngram_drafting(tiny_llama) -> None:
     drafted = dict(OPTIONS, drafter="ngram", draft_tokens=3)
     async with Engine(tiny_llama, **drafted) as eng:
         resumed = await _chat(eng, 3, "greedy", seed=9)
@@ -184,7 +184,7 @@ async def test_resumed_equals_fresh_with_ngram_drafting(tiny_llama) -> None:  # 
     assert resumed[2][1] > 0
 
 
-async def test_cache_salt_keeps_tenants_apart(tiny_llama) -> None:  # noqa: ANN001
+async def test_cache_salt_keeps_tenants_apart(tiny_llama) -> None:
     prompt = _tokens(8, 40)
     async with Engine(tiny_llama, **OPTIONS) as eng:
         await eng.complete(prompt, cache_salt="a", max_tokens=2)
@@ -195,7 +195,7 @@ async def test_cache_salt_keeps_tenants_apart(tiny_llama) -> None:  # noqa: ANN0
     assert other.usage.cached_tokens == 0 and same.usage.cached_tokens == 36
 
 
-async def test_no_prefix_cache_without_paging(tiny_llama) -> None:  # noqa: ANN001
+async def test_no_prefix_cache_without_paging(tiny_llama) -> None:
     async with Engine(tiny_llama, **OPTIONS, paging=False) as eng:
         first = await eng.complete(_tokens(2, 30), max_tokens=2)
         second = await eng.complete(_tokens(2, 30), max_tokens=2)
@@ -234,12 +234,12 @@ async def _plans_of_a_shared_chat(eng: Engine) -> list[tuple[RoundPlan, set[int]
     return seen
 
 
-async def test_no_round_writes_a_cached_page(tiny_llama) -> None:  # noqa: ANN001
+async def test_no_round_writes_a_cached_page(tiny_llama) -> None:
     async with Engine(tiny_llama, **OPTIONS) as eng:
         assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) == []
 
 
-async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama) -> None:  # noqa: ANN001
+async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama) -> None:
     async with Engine(tiny_llama, **OPTIONS) as eng:
         seen = await _plans_of_a_shared_chat(eng)
     held: dict[int, set[int]] = {}
@@ -254,7 +254,7 @@ async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama
     assert shared > 0
 
 
-async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeypatch) -> None:  # noqa: ANN001
+async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeypatch) -> None:
     def publish_too_early(self: Scheduler, seq: Any) -> None:  # a partial page offered as full
         if self.runs.cache is None or seq.lane is None:
             return
@@ -268,7 +268,7 @@ async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeyp
         assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) != []
 
 
-async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(tiny_llama) -> None:  # noqa: ANN001
+async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(tiny_llama) -> None:
     prompt = _tokens(4, 23)
     async with Engine(tiny_llama, **OPTIONS) as eng:
         await eng.complete(prompt, max_tokens=1)  # finishes in the round of its one prompt step
@@ -288,7 +288,7 @@ def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["qwen3_5-mlx4", "qwen3_5_moe-bf16"])
 @pytest.mark.parametrize("drafter", [None, "ngram"])
-async def test_hybrid_resumed_chat_equals_fresh(hybrids, name, drafter) -> None:  # noqa: ANN001
+async def test_hybrid_resumed_chat_equals_fresh(hybrids, name, drafter) -> None:
     options = {**OPTIONS, "drafter": drafter, "draft_tokens": 3}
     for mode in ("greedy", "seeded"):
         async with Engine(hybrids[name], **options) as eng:
@@ -301,7 +301,7 @@ async def test_hybrid_resumed_chat_equals_fresh(hybrids, name, drafter) -> None:
         assert stats["prefix_states_resumed"] >= 2 and stats["prefix_state_bytes"] > 0
 
 
-async def test_hybrid_streams_sharing_a_prefix_equal_fresh(hybrids) -> None:  # noqa: ANN001
+async def test_hybrid_streams_sharing_a_prefix_equal_fresh(hybrids) -> None:
     ckpt = hybrids["qwen3_5-mlx4"]
 
     async def twice(eng: Engine) -> list[list[int]]:  # the second wave resumes the first's
@@ -315,7 +315,7 @@ async def test_hybrid_streams_sharing_a_prefix_equal_fresh(hybrids) -> None:  # 
     assert shared == fresh and stats["prefix_states_resumed"] > 0
 
 
-async def test_a_resumed_hybrid_lane_starts_from_the_kept_state_not_zero(hybrids, monkeypatch) -> None:  # noqa: ANN001
+async def test_a_resumed_hybrid_lane_starts_from_the_kept_state_not_zero(hybrids, monkeypatch) -> None:
     """Mutation: resuming a lane from zero state instead of its kept state changes outputs."""
     from tf_async.models.qwen35 import RecurrentStates
 
@@ -332,4 +332,4 @@ def test_serve_turns_the_cache_off_with_no_prefix_cache() -> None:
     from tf_async.server.cli import engine_from_args
 
     for argv, want in (([], True), (["--no-prefix-cache"], False)):
-        assert engine_from_args(_parser().parse_args(["serve", *argv])).options["prefix_cache"] is want
+        assert engine_from_args(_parser().parse_args(["serve", *argv])).options.prefix_cache is want

@@ -57,10 +57,9 @@ def sampling(mode: str, index: int, max_tokens: int = MAX_TOKENS) -> dict:
 
 
 def engine(ckpt, **kw) -> Engine:
-    eng = Engine(ckpt, **{**dict(device="cpu", parallel=4, ctx=128, page_size=4,
-                                 step_tokens=16), **kw})
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams: draft on 1
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams
+    return Engine(ckpt, **{**dict(device="cpu", parallel=4, ctx=128, page_size=4,
+                                  step_tokens=16, ngram_min=1), **kw})
 
 
 async def run_all(eng: Engine, mode: str, prompts=PROMPTS) -> list[list[int]]:
@@ -88,7 +87,7 @@ async def test_all_gates_pass(hybrids, name):
                                  prompts=PROMPTS[:6], drafters=("mtp", "ngram"), temperature=HOT)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
-    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 2) + 1
+    assert len(rows) == 2 * (4 + 1 + 3 + 1 + 1 + 2) + 1
     mtp = idle["drafted-mtp-seeded"]
     assert mtp["drafted_tokens"] > 0 and mtp["recurrent_state_bytes_per_lane"] > 0
 
@@ -135,7 +134,7 @@ class ForcedDrafts:
         self.proposals: list[tuple[list[int], object, int, tuple[int, ...]]] = []
         self._wrong = itertools.cycle(self.WRONG_AT)
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the Drafter interface
+    def __getattr__(self, name: str):  # the rest of the Drafter interface
         return getattr(self.inner, name)
 
     def propose(self, seq, limit: int) -> tuple[int, ...]:
@@ -160,7 +159,7 @@ class ForcedDrafts:
             assert drafts == fresh_mtp_drafts(self.inner.head, tokens, seq, count), tokens
 
 
-def replace_seq(seq):  # noqa: ANN001, ANN201 - a frozen copy of what sampling reads
+def replace_seq(seq):  # a frozen copy of what sampling reads
     return replace(seq, output_ids=list(seq.output_ids))
 
 
@@ -196,8 +195,8 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
 async def test_forced_drafts_roll_back_exactly_and_mtp_stays_in_sync(hybrids, plain, name, mode):
     ckpt, truth = hybrids[name], plain[name, mode]
     one_area = name.startswith("moe")  # one drafter area: the other lanes own their context
-    eng = engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4)
-    eng.options["draft_areas"] = 1 if one_area else None
+    eng = engine(ckpt, parallel=4, step_tokens=7, drafter="mtp", draft_tokens=4,
+                 draft_areas=1 if one_area else None)
     async with eng:
         ids = {tuple(eng.tokenizer.encode(p)): out for p, out in zip(PROMPTS, truth, strict=True)}
         forced = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size, ids)
@@ -255,13 +254,13 @@ async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybri
         real_forward, real_lost = runner.decoder.forward, runner._lost_states
         rounds, seen = itertools.count(), []
 
-        def forward(batch, kv, scales, **kw):  # noqa: ANN001, ANN202
+        def forward(batch, kv, scales, **kw):
             out = real_forward(batch, kv, scales, **kw)
             if len(batch.token_ids) > 1 and next(rounds) == 12:
                 raise RuntimeError("injected failure after the state advanced")
             return out
 
-        def lost_states(plan, saved):  # noqa: ANN001, ANN202
+        def lost_states(plan, saved):
             lost = real_lost(plan, saved)
             seen.append((saved, lost))
             return lost

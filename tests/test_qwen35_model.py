@@ -17,9 +17,9 @@ from tests import tiny_qwen35 as tq
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.errors import BadInputError, ModelFormatError
 from tf_async.models.decoder import Decoder, ForwardBatch
-from tf_async.models.loader import load_checkpoint
+from tf_async.models.loader import load_checkpoint, make_decoder
 from tf_async.models.mtp import MtpHead, make_mtp_head
-from tf_async.models.qwen35 import HybridDecoder, RecurrentStates, make_decoder
+from tf_async.models.qwen35 import HybridDecoder, RecurrentStates
 
 PAGE = 4
 NUM_PAGES = 12
@@ -313,6 +313,20 @@ def test_make_decoder_picks_the_dense_decoder_for_other_models(tiny_llama):
     assert isinstance(decoder, Decoder)
     with pytest.raises(BadInputError, match="not a Qwen3.5 hybrid"):
         make_mtp_head(decoder)
+
+
+def test_make_decoder_dispatches_from_one_table_by_architecture(tiny_llama):
+    from dataclasses import replace
+
+    from tf_async.errors import ModelFormatError
+    from tf_async.models.config import SUPPORTED_ARCHS
+    from tf_async.models.loader import DECODERS
+    from tf_async.models.qwen35 import HYBRID_ARCHS
+
+    assert set(DECODERS) == set(SUPPORTED_ARCHS) | set(HYBRID_ARCHS)
+    unknown = replace(tiny_llama, config=replace(tiny_llama.config, arch="mamba"))
+    with pytest.raises(ModelFormatError, match="no decoder for architecture 'mamba'"):
+        make_decoder(unknown, CpuOps())
 
 
 def test_recurrent_states_sizes_zero_and_snapshot(model):

@@ -13,8 +13,8 @@ import pytest
 
 from tests import reference_qwen35 as ref
 from tests import tiny_qwen35 as tq
+from tf_async.backend.weights import dequantize_affine
 from tf_async.models.safetensors_io import load_safetensors
-from tf_async.models.weights import dequantize_affine
 
 PROMPT = [5, 17, 200, 33, 9, 41, 300, 7, 12, 250, 3]
 

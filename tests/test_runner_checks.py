@@ -12,6 +12,7 @@ import pytest
 
 from tests.engine_helpers import engines_on_ops
 from tf_async.api import Engine
+from tf_async.backend.base import Capabilities
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.errors import BadInputError
 from tf_async.models.batch_io import pack_batch
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.asyncio
 class CheckTrackingOps:
     """CpuOps with CudaOps' `unchecked()` switch; records the switch at every embed call."""
 
+    capabilities = Capabilities(device_checks=True)
+
     def __init__(self) -> None:
         self._inner = CpuOps()
         self.device_checks = True
@@ -31,14 +34,14 @@ class CheckTrackingOps:
         return getattr(self._inner, name)
 
     @contextmanager
-    def unchecked(self):  # noqa: ANN201
+    def unchecked(self):
         before, self.device_checks = self.device_checks, False
         try:
             yield
         finally:
             self.device_checks = before
 
-    def embed(self, w, ids):  # noqa: ANN001, ANN201
+    def embed(self, w, ids):
         self.embeds_checked.append(self.device_checks)
         return self._inner.embed(w, ids)
 
@@ -48,7 +51,7 @@ def tracking_ops(monkeypatch: pytest.MonkeyPatch) -> list[CheckTrackingOps]:
     return engines_on_ops(monkeypatch, CheckTrackingOps)
 
 
-async def generate(ckpt, prompt: list[int]) -> list[int]:  # noqa: ANN001
+async def generate(ckpt, prompt: list[int]) -> list[int]:
     async with Engine(ckpt, device="cpu", parallel=2, ctx=128, page_size=4, step_tokens=5) as eng:
         out = await eng.complete(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
         return list(out.token_ids)
@@ -72,7 +75,7 @@ async def test_a_bad_batch_is_refused_on_the_host_before_the_forward(tiny_llama,
         check_refusals(eng.parts.runner, tracking_ops[0])
 
 
-def check_refusals(runner, ops: CheckTrackingOps) -> None:  # noqa: ANN001
+def check_refusals(runner, ops: CheckTrackingOps) -> None:
     vocab = runner.decoder.weights.embed.out_features
     table = np.array([[0, 1]], np.int32)
     good = dict(token_ids=[1, 2], positions=[0, 1], row_seq=[0, 0], block_table=table,
@@ -103,6 +106,6 @@ async def test_a_row_past_its_lanes_pages_is_refused_not_read_from_another_lane(
         runner._forward((inside,), tables)  # a row inside its lane's pages runs
         with pytest.raises(BadInputError, match="out of range"):  # the runner's host check
             runner._forward((inside, past), tables)
-        tracking_ops[0].unchecked = None  # no host check: the backend's own checks refuse it
+        tracking_ops[0].capabilities = Capabilities()  # no host check: the backend's own checks refuse it
         with pytest.raises(ValueError, match="must lie in|outside"):
             runner._forward((inside, past), tables)

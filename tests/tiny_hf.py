@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tf_async.models.weights import quantize_affine
+from tf_async.backend.weights import quantize_affine
 
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "uint32": "U32", "int32": "I32",
               "float64": "F64", "uint8": "U8", "int8": "I8"}

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tests.tiny_hf import stored_value, write_safetensors
-from tf_async.models.weights import dequantize_affine, quantize_affine
+from tf_async.backend.weights import dequantize_affine, quantize_affine
 
 TINY_VOCAB = 320  # matches tests/tiny_tokenizer.py
 LM = "model.language_model."

@@ -7,16 +7,20 @@ import itertools
 import os
 import random
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api_types import Completion, Delta, GrammarSpec, SamplingParams, Usage
 from .engine.build import EngineParts, build_engine
 from .engine.grammar import Grammars
+from .engine.options import EngineOptions
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
 from .engine.stops import StopStrings
 from .errors import BadInputError, QueueFullError, RequestFailedError, ShuttingDownError
 from .models.checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from .models.tokenizer import Tokenizer  # a heavier module: loaded with a model
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -152,14 +156,20 @@ class Engine:
                  ctx: int = 4096, kv_dtype: str = "f32", paging: bool = True,
                  kv_pages: int | None = None, step_tokens: int = 256, drafter: str | None = None,
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
-                 cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True):
-        if kv_pages is None and os.environ.get("TF_KV_PAGES"):
-            kv_pages = int(os.environ["TF_KV_PAGES"])
-        self.options: dict[str, Any] = dict(
+                 cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True,
+                 draft_ring: int | None = None, draft_areas: int | None = None,
+                 ngram_min: int = 2):
+        """The keyword arguments are EngineOptions' (engine/options.py), checked here: a bad
+        one raises BadInputError naming it. kv_pages and draft_areas default to the
+        environment's TF_KV_PAGES and TF_DRAFT_AREAS when set."""
+        self.options = EngineOptions(
             model=model, device=device, parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, paging=paging,
-            kv_pages=kv_pages, step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens,
-            page_size=page_size, cuda_graphs=cuda_graphs, decode_steps=decode_steps,
-            prefix_cache=prefix_cache)
+            kv_pages=_env_int("TF_KV_PAGES") if kv_pages is None else kv_pages,
+            step_tokens=step_tokens, drafter=drafter, draft_tokens=draft_tokens, page_size=page_size,
+            cuda_graphs=cuda_graphs, decode_steps=decode_steps, prefix_cache=prefix_cache,
+            draft_ring=draft_ring,
+            draft_areas=_env_int("TF_DRAFT_AREAS") if draft_areas is None else draft_areas,
+            ngram_min=ngram_min)
         self.max_queue = max_queue
         self.ctx = ctx
         self.parts: EngineParts | None = None
@@ -195,7 +205,7 @@ class Engine:
         await self.close()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - tf_async.models.tokenizer.Tokenizer
+    def tokenizer(self) -> Tokenizer:
         return self._parts.checkpoint.tokenizer
 
     @property
@@ -344,6 +354,11 @@ def _salt(cache_salt: object) -> str | None:
     _check(cache_salt is None or (isinstance(cache_salt, str) and 0 < len(cache_salt) <= 256),
            "cache_salt must be a non-empty string of at most 256 characters", "cache_salt")
     return cache_salt  # type: ignore[return-value]
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 async def _collect(stream: RequestStream) -> Completion:

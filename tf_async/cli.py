@@ -83,6 +83,10 @@ def _run(args: argparse.Namespace) -> int:
         from .server.cli import run_chat
 
         return run_chat(args) or 0
+    if args.command == "gate" and (args.record or args.against):
+        from .baseline_cli import main_baseline  # baseline imports gate: not the other way
+
+        return main_baseline(args)
     if args.command == "gate":
         from .gate import main_gate
 

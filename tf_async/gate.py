@@ -109,8 +109,30 @@ class GateRun:
             self.idle[f"{key}-{mode}"] = eng.stats()
         return got
 
+    async def complete(self, eng: Engine, ids: list[int], index: int, mode: str) -> list[int]:
+        done = await eng.complete(ids, **sampling(mode, index, self.max_tokens, self.temperature))
+        return done.token_ids
+
+    async def resumed_row(self, mode: str, solo: list[list[int]]) -> GateRow:
+        """Turn 2 of each prompt's chat (turn 1, its output, a follow-up) on an engine that
+        served turn 1 (prefix cache, all chats at once), against turn 2 alone on a fresh
+        engine without the cache."""
+        async with Engine(self.ckpt, parallel=1, step_tokens=512, prefix_cache=False,
+                          **self.base) as fresh_engine:
+            turns = [_turn_two(fresh_engine, p, solo[i]) for i, p in enumerate(self.prompts)]
+            fresh = [await self.complete(fresh_engine, t, i, mode) for i, t in enumerate(turns)]
+        async with Engine(self.ckpt, parallel=4, step_tokens=64, **self.base) as eng:
+            async def chat(i: int) -> list[int]:
+                first = await self.complete(eng, _turn_one(eng, self.prompts[i]), i, mode)
+                return await self.complete(eng, _turn_two(eng, self.prompts[i], first), i, mode)
+
+            got = list(await asyncio.gather(*(chat(i) for i in range(len(self.prompts)))))
+            self.idle[f"resumed-{mode}"] = eng.stats()
+        return GateRow("resumed == fresh (turn 2)", mode, _count(got, fresh), len(self.prompts))
+
     async def mode_rows(self, mode: str, drafters: list[str], draft_tokens: int) -> list[GateRow]:
-        async with Engine(self.ckpt, parallel=1, step_tokens=512, **self.base) as solo_engine:
+        async with Engine(self.ckpt, parallel=1, step_tokens=512, prefix_cache=False,
+                          **self.base) as solo_engine:
             solo = await generate(solo_engine, self.prompts, mode, self.max_tokens,
                                   concurrent=False, temperature=self.temperature)
         rows, total = [], len(self.prompts)
@@ -126,12 +148,24 @@ class GateRun:
             rows.append(GateRow(f"stepped == whole (step {step})", mode, _count(got, solo), total))
         got = await self.outputs("decode-steps", mode, dict(parallel=4, step_tokens=64, decode_steps=4))
         rows.append(GateRow("decode steps == one step (4)", mode, _count(got, solo), total))
+        rows.append(await self.resumed_row(mode, solo))
         for spec in drafters:
             got = await self.outputs(f"drafted-{spec}", mode, dict(
                 parallel=4, step_tokens=64, drafter=spec, draft_tokens=draft_tokens))
             rows.append(GateRow(f"drafted == plain ({spec}, k={draft_tokens})", mode,
                                 _count(got, solo), total))
         return rows
+
+
+FOLLOW_UP = " Tell me more about that."
+
+
+def _turn_one(eng: Engine, prompt: str) -> list[int]:
+    return eng.tokenizer.encode(prompt, add_special_tokens=eng.tokenizer.add_bos)
+
+
+def _turn_two(eng: Engine, prompt: str, answer: list[int]) -> list[int]:
+    return _turn_one(eng, prompt) + answer + eng.tokenizer.encode(FOLLOW_UP, add_special_tokens=False)
 
 
 def format_table(rows: list[GateRow]) -> str:
@@ -142,10 +176,6 @@ def format_table(rows: list[GateRow]) -> str:
 
 
 def main_gate(args: Any) -> int:
-    if args.record or args.against:
-        from .baseline_cli import main_baseline
-
-        return main_baseline(args)
     t0 = time.perf_counter()
     drafter = None if args.drafter in (None, "none") else args.drafter
     rows, _ = asyncio.run(run_gates(args.model, device=args.device, kv_dtype=args.kv_dtype,

@@ -2,25 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import numpy as np
 
-from ..models.weights import Linear
+from .weights import FusedLinear, Linear
 
 Array = Any  # numpy.ndarray on the CPU, cupy.ndarray on the GPU
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend offers beyond the ops every backend has, declared by the backend
+    (callers read these flags; they never probe an ops object for methods)."""
+
+    device_sampling: bool = False  # a DeviceSampler: tokens chosen where the logits are
+    # Its index checks cost a host sync each: the runner checks a round once on the host and
+    # runs the forward inside `unchecked()`.
+    device_checks: bool = False
+    cuda_graphs: bool = False  # a GraphOps: decode rounds captured and replayed
+
+
 class Ops(Protocol):
+    """The array operations the model code calls (docs/KERNELS.md); each has a CPU twin."""
+
+    capabilities: Capabilities
+
     @property
     def name(self) -> str: ...
     @property
     def xp(self) -> Any: ...
 
+    def unchecked(self) -> AbstractContextManager[None]:
+        """Skip the per-op bounds checks of device-resident indices inside the block (the
+        caller checked them); a no-op where checks cost nothing extra (the CPU)."""
+        ...
+
     def asarray(self, array: np.ndarray) -> Array: ...
     def to_host(self, array: Array) -> np.ndarray: ...
     def upload_linear(self, w: Linear) -> Linear: ...
-    def linear(self, x: Array, w: Linear, bias: Array | None = None) -> Array: ...
+    def linear(self, x: Array, w: FusedLinear, bias: Array | None = None) -> Array: ...
     def embed(self, w: Linear, ids: Array) -> Array: ...
     def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
     def rope(self, x: Array, positions: Array, inv_freq: Array, mscale: float) -> None: ...
@@ -34,6 +58,73 @@ class Ops(Protocol):
     def alloc_kv(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str) -> Array: ...
     def synchronize(self) -> None: ...
+
+    # ---- the decoder's layer ops: CudaOps fuses each into fewer launches with the same bits;
+    # the CPU runs the basic ops each stands for (one layer code for both backends)
+    def concat_linears(self, ws: list[Linear]) -> tuple[FusedLinear, list[Linear]] | None:
+        """ws applied as one weight, and weights equal to each of ws to keep in their place
+        (views of the concatenation, or ws themselves); None when ws cannot be fused."""
+        ...
+
+    def rms_norm_for(self, x: Array, w: Array, eps: float, linear: FusedLinear) -> Array:
+        """rms_norm(x, w, eps) in the form `linear` multiplies (CUDA: int8 rows for int8-x
+        weights). x [rows, dim]."""
+        ...
+
+    def attn_inputs(self, qkv: Array, q_norm: Array | None, k_norm: Array | None, eps: float,
+                    positions: Array, inv_freq: Array, mscale: float, kv: Array, layer: int,
+                    slots: Array, kv_scales: Array | None, num_heads: int) -> Array:
+        """From q|k|v rows [rows, (nh + 2 nkv) hd]: q [rows, nh, hd] normed (q_norm) and
+        roped; k normed (k_norm) and roped, and v, both written at `slots` of `layer`."""
+        ...
+
+    def attention_for(self, q: Array, kv: Array, layer: int, kv_scales: Array | None,
+                      block_table: Array, row_seq: Array, row_pos: Array, page_size: int,
+                      sm_scale: float, linear: Linear) -> Array:
+        """attention(...) as the rows [rows, nh * hd] in the form `linear` multiplies."""
+        ...
+
+    def linear_into(self, x: Array, w: Linear, out: Array) -> Array:
+        """out += x @ w.T in place (a residual); the bits of out + linear(x, w)."""
+        ...
+
+    def swiglu_linear(self, x: Array, gate_up: FusedLinear) -> Array:
+        """silu(x @ gate.T) * (x @ up.T) for gate_up = concat_linears([gate, up])."""
+        ...
+
+    # ---- Gated DeltaNet and gated attention (hybrid models): twins backend/cpu/gdn.py and
+    # cuda_kernels/gdn.py; outputs float32, states updated in place
+    def causal_conv1d(self, x: Array, conv_states: Array, weight: Array, row_lanes: Array) -> Array:
+        """silu(causal conv) of x [rows, C] -> [rows, C]; conv_states [lanes, K-1, C] carried,
+        weight [C, K], row_lanes [rows] int32 (a stream's rows contiguous, in time order)."""
+        ...
+
+    def gdn_qk_l2norm(self, mixed: Array, num_k_heads: int, head_k_dim: int, eps: float,
+                      q_scale: float) -> tuple[Array, Array]:
+        """L2-normalised q (times q_scale) and k [rows, Hk, dk] from the conv output's [q | k]."""
+        ...
+
+    def gdn_gates(self, a: Array, b: Array, a_log: Array, dt_bias: Array) -> tuple[Array, Array]:
+        """(g, beta) [rows, Hv] of the delta rule from the a, b projections [rows, Hv]."""
+        ...
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array,
+                         states: Array, row_lanes: Array) -> Array:
+        """The delta rule over rows of many streams -> o [rows, Hv, dv]; states
+        [lanes, Hv, dk, dv] updated."""
+        ...
+
+    def gated_rms_norm(self, x: Array, z: Array, weight: Array, eps: float) -> Array:
+        """weight * rms_norm(x) * silu(z), x and z [rows, Hv, dv]."""
+        ...
+
+    def split_query_gate(self, qg: Array, num_heads: int, head_dim: int) -> tuple[Array, Array]:
+        """qg [rows, nh*2*hd] (per head [query | gate]) -> q [rows, nh, hd], gate [rows, nh*hd]."""
+        ...
+
+    def sigmoid_gate_mul(self, x: Array, gate: Array) -> None:
+        """x *= sigmoid(gate) in place, both [rows, width]."""
+        ...
 
 
 class DeviceSampler(Protocol):
@@ -53,12 +144,22 @@ class DeviceSampler(Protocol):
         ...
 
 
-def device_sampler(ops: Any) -> DeviceSampler | None:
-    """`ops` itself when it chooses tokens on the device (has `argmax` and `sample`), else
-    None. An Ops may opt out with `chooses_tokens = False` (e.g. one that has the kernels
-    only as twins for tests)."""
-    if not getattr(ops, "chooses_tokens", True):
-        return None
-    if callable(getattr(ops, "argmax", None)) and callable(getattr(ops, "sample", None)):
-        return ops  # type: ignore[no-any-return]
-    return None
+class GraphOps(Ops, DeviceSampler, Protocol):
+    """An Ops whose rounds can be captured as CUDA graphs (capabilities.cuda_graphs)."""
+
+    device_checks: bool  # False inside unchecked()
+
+    def capture_programmatic(self, stream: Any, record: Callable[[], None]) -> Any | None:
+        """The graph of `record()`'s launches on `stream` with programmatic edges between the
+        kernels, or None where the device or driver cannot (the caller captures plainly)."""
+        ...
+
+
+def device_sampler(ops: Ops) -> DeviceSampler | None:
+    """`ops` itself when it declares that it chooses tokens on the device, else None."""
+    return cast(DeviceSampler, ops) if ops.capabilities.device_sampling else None
+
+
+def graph_ops(ops: Ops) -> GraphOps | None:
+    """`ops` itself when it declares CUDA graph capture, else None."""
+    return cast(GraphOps, ops) if ops.capabilities.cuda_graphs else None

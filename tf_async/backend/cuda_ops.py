@@ -15,7 +15,7 @@ CUDA graph); the caller must have checked the indices itself (tf_async/models/gr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,31 +23,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError
-from ..models.weights import AffineWeight, DenseWeight, Linear
-
-KV_DTYPES: dict[str, Any] = {
-    "f32": np.float32, "float32": np.float32,
-    "bf16": np.uint16, "bfloat16": np.uint16,
-    "fp8": np.uint8, "fp8_e4m3": np.uint8, "e4m3": np.uint8,
-}
-
-
-def check_array(array: Any, name: str, dtype: Any, ndim: int | None = None, *, xp: Any) -> Any:
-    """`array` must be a C-contiguous array of module `xp` (of `dtype`, rank `ndim`)."""
-    if not isinstance(array, xp.ndarray):
-        raise BadInputError(f"{name}: expected a {xp.__name__} array, got {type(array).__name__}")
-    if dtype is not None and array.dtype != dtype:
-        raise BadInputError(f"{name}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
-    if ndim is not None and array.ndim != ndim:
-        raise BadInputError(f"{name}: expected {ndim} dims, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise BadInputError(f"{name}: must be C-contiguous")
-    return array
-
-
-def check_shape(array: Any, name: str, shape: tuple[int, ...]) -> None:
-    if tuple(array.shape) != tuple(shape):
-        raise BadInputError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
+from .base import Capabilities
+from .checks import (
+    check_affine,
+    check_array,
+    check_kv,
+    check_kv_dtype,
+    check_shape,
+    kv_shape,
+    num_pages_of,
+)
+from .weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
 
 
 def check_range(values: Any, name: str, low: int, high: int) -> None:
@@ -56,29 +42,6 @@ def check_range(values: Any, name: str, low: int, high: int) -> None:
         lo, hi = int(values.min()), int(values.max())
         if lo < low or hi >= high:
             raise BadInputError(f"{name}: values must lie in [{low}, {high}), got [{lo}, {hi}]")
-
-
-def check_affine(w: AffineWeight, xp: Any) -> None:
-    if w.bits not in (4, 8):
-        raise BadInputError(f"AffineWeight: bits must be 4 or 8, got {w.bits}")
-    check_array(w.codes, "AffineWeight.codes", np.uint32, xp=xp)
-    per_word = 32 // w.bits
-    groups = w.in_features // w.group_size if w.group_size > 0 else -1
-    if groups <= 0 or groups * w.group_size != w.in_features or w.group_size % per_word:
-        raise BadInputError(f"AffineWeight: group_size {w.group_size} does not fit in_features "
-                            f"{w.in_features} and {w.bits}-bit words")
-    for name, array in (("scales", w.scales), ("biases", w.biases)):
-        check_array(array, f"AffineWeight.{name}", np.float32, w.codes.ndim, xp=xp)
-        check_shape(array, f"AffineWeight.{name}", (*w.codes.shape[:-1], groups))
-
-
-def check_kv(kv: Any, layer: int, xp: Any) -> None:
-    check_array(kv, "kv", None, 5, xp=xp)
-    if kv.dtype not in (np.float32, np.uint16, np.uint8) or kv.shape[1] != 2:
-        raise BadInputError("kv: expected [layers, 2, slots, kv_heads, head_dim] of float32, "
-                            f"uint16 (bf16) or uint8 (fp8), got {kv.dtype} {kv.shape}")
-    if not 0 <= layer < kv.shape[0]:
-        raise BadInputError(f"layer {layer} out of range [0, {kv.shape[0]})")
 
 
 def layer_scales(kv_scales: Any, kv: Any, layer: int) -> tuple[np.float32, np.float32]:
@@ -102,15 +65,16 @@ def _module_of(array: Any) -> Any:
     return cupy
 
 
-def _load_cuda() -> tuple[Any, Any, Any]:
-    """(cupy, numba.cuda, cuda_kernels.launch), or BadInputError naming what is missing."""
+def _load_cuda() -> tuple[Any, Any, Any, Any]:
+    """(cupy, numba.cuda, cuda_kernels.launch, cuda_kernels.gdn), or BadInputError naming what
+    is missing."""
     try:
         import cupy
     except ImportError as exc:
         raise BadInputError(f"--device cuda needs CuPy ({exc}); pip install 'tf-async[cuda]'",
                             param="device") from exc
     try:
-        from cuda_kernels import launch
+        from cuda_kernels import gdn, launch
         from cuda_kernels.env import cuda
     except Exception as exc:  # CudaUnavailableError, or numba-cuda failing to import
         raise BadInputError(f"--device cuda: {exc}", param="device") from exc
@@ -120,7 +84,7 @@ def _load_cuda() -> tuple[Any, Any, Any]:
         raise BadInputError(f"--device cuda: no usable CUDA driver ({exc})", param="device") from exc
     if gpus < 1 or not cuda.is_available():
         raise BadInputError("--device cuda: no CUDA GPU found", param="device")
-    return cupy, cuda, launch
+    return cupy, cuda, launch, gdn
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +106,10 @@ class CudaOps:
     """Ops on one GPU: CuPy arrays in and out, Numba CUDA kernels inside."""
 
     name = "cuda"
+    capabilities = Capabilities(device_sampling=True, device_checks=True, cuda_graphs=True)
 
     def __init__(self) -> None:
-        self.xp, self._cuda, self._launch = _load_cuda()
+        self.xp, self._cuda, self._launch, self._gdn = _load_cuda()
         self._streams: dict[int, Any] = {}
         self._no_experts = self.xp.zeros(1, dtype=self.xp.int32)
         self._no_scales = self.xp.zeros((1, 1, 1), dtype=self.xp.float32)
@@ -161,6 +126,13 @@ class CudaOps:
             yield
         finally:
             self.device_checks = before
+
+    def capture_programmatic(self, stream: Any, record: Callable[[], None]) -> Any | None:
+        """cuda_kernels/graphs.py: the graph of record()'s launches with programmatic edges,
+        or None where the device or driver cannot."""
+        from cuda_kernels.graphs import capture_programmatic  # only graph captures need it
+
+        return capture_programmatic(stream, record)
 
     def _range(self, values: Any, name: str, low: int, high: int) -> None:
         if self.device_checks:
@@ -202,7 +174,7 @@ class CudaOps:
         are kept, not copied). DenseWeight.w may be float32 or uint16 (bf16 bits)."""
         xp = self.xp
         if isinstance(w, AffineWeight):
-            check_affine(w, _module_of(w.codes))
+            check_affine(w, xp=_module_of(w.codes), whole_words=True)
             return AffineWeight(xp.asarray(w.codes), xp.asarray(w.scales), xp.asarray(w.biases),
                                 w.bits, w.group_size)
         if isinstance(w, DenseWeight):
@@ -212,8 +184,9 @@ class CudaOps:
         raise BadInputError(f"unknown weight kind {type(w).__name__}")
 
     # ------------------------------------------------------------------ matmuls
-    def linear(self, x: Any, w: Linear, bias: Any | None = None) -> Any:
+    def linear(self, x: Any, w: FusedLinear, bias: Any | None = None) -> Any:
         """x [..., in] @ w.T (+ bias) -> [..., out_f]; x may be Int8Rows [rows, in]."""
+        w = _one_weight(w)
         if isinstance(x, Int8Rows):
             self._check_int8_rows(x, "linear x", x.shape[0], w)
             rows: Any = x
@@ -240,10 +213,11 @@ class CudaOps:
         if kind != x.kind or not self._launch.uses_int8_x(kind, words.reshape(-1, *words.shape[-2:]), group_size):
             raise BadInputError(f"{name}: int8 rows for {x.kind} weights, the weight is {kind} (or takes float32 x)")
 
-    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: Linear) -> Any:
+    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: FusedLinear) -> Any:
         """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
         (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
         else rms_norm's float32 rows. x [rows, dim]."""
+        linear = _one_weight(linear)
         kind = self._int8_form(linear)
         if kind is None:
             return self.rms_norm(x, w, eps)
@@ -295,10 +269,9 @@ class CudaOps:
                             path=path, grouped=grouped, epilogue=epilogue, **scratch)
 
     # ------------------------------------------------------------------ fused layer ops
-    # The decoder's fast path on this backend (Decoder checks `fused_layers`): one matmul for
-    # q|k|v and one for gate|up, the residual added by the matmul that produces it, and the
-    # attention inputs prepared in one launch. Each gives the bits of the ops it replaces.
-    fused_layers = True
+    # The decoder's layer ops (Ops protocol) as fused launches: one matmul for q|k|v and one
+    # for gate|up, the residual added by the matmul that produces it, and the attention inputs
+    # prepared in one launch. Each gives the bits of the ops it replaces.
 
     def concat_linears(self, ws: list[Linear]) -> tuple[Linear, list[Linear]] | None:
         """One weight whose rows are those of ws one after another, and views of it equal to
@@ -337,9 +310,10 @@ class CudaOps:
             self._matmul(x, w, out, None, epilogue="add")
         return out
 
-    def swiglu_linear(self, x: Any, gate_up: Linear) -> Any:
+    def swiglu_linear(self, x: Any, gate_up: FusedLinear) -> Any:
         """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] (concat_linears); the bits of
         silu_mul(linear(x, gate), linear(x, up))."""
+        gate_up = _one_weight(gate_up)
         if isinstance(x, Int8Rows):
             self._check_int8_rows(x, "swiglu_linear x", x.shape[0], gate_up)
         else:
@@ -358,7 +332,7 @@ class CudaOps:
         k normed (k_norm), roped and v, both stored at `slots` of `layer`. The bits of rms_norm,
         rope and kv_write one after another."""
         xp = self.xp
-        check_kv(kv, layer, xp)
+        check_kv(kv, layer, xp=xp)
         nkv, hd = kv.shape[3], kv.shape[4]
         check_array(qkv, "attn_inputs qkv", np.float32, 2, xp=xp)
         check_shape(qkv, "attn_inputs qkv", (slots.shape[0], (num_heads + 2 * nkv) * hd))
@@ -387,7 +361,7 @@ class CudaOps:
 
     def _weight_parts(self, w: Linear) -> tuple[str, Any, Any, Any, int]:
         if isinstance(w, AffineWeight):
-            check_affine(w, self.xp)
+            check_affine(w, xp=self.xp, whole_words=True)
             return ("q4" if w.bits == 4 else "q8"), w.codes, w.scales, w.biases, w.group_size
         if isinstance(w, DenseWeight):
             check_array(w.w, "DenseWeight.w", None, xp=self.xp)
@@ -411,7 +385,7 @@ class CudaOps:
             return self.xp.ascontiguousarray(table[ids])
         if not isinstance(w, AffineWeight):
             raise BadInputError(f"embed: unknown weight kind {type(w).__name__}")
-        check_affine(w, self.xp)
+        check_affine(w, xp=self.xp, whole_words=True)
         out = self.xp.empty((ids.shape[0], w.in_features), self.xp.float32)
         if not ids.shape[0]:
             return out
@@ -463,16 +437,12 @@ class CudaOps:
     def alloc_kv(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str) -> Any:
         """Zeroed arena [num_layers, 2, num_slots, num_kv_heads, head_dim] of the KV dtype."""
-        if kv_dtype not in KV_DTYPES:
-            raise BadInputError(f"kv_dtype {kv_dtype!r}: expected one of f32, bf16, fp8")
-        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
-        if min(shape) < 1:
-            raise BadInputError(f"alloc_kv: every dimension must be >= 1, got {shape}")
-        return self.xp.zeros(shape, KV_DTYPES[kv_dtype])
+        dtype = check_kv_dtype(kv_dtype)
+        return self.xp.zeros(kv_shape(num_layers, num_slots, num_kv_heads, head_dim), dtype)
 
     def kv_write(self, kv: Any, layer: int, k: Any, v: Any, slots: Any, kv_scales: Any | None) -> None:
         """Store k, v [rows, nkv, hd] float32 at `slots` [rows] int64 of `layer`."""
-        check_kv(kv, layer, self.xp)
+        check_kv(kv, layer, xp=self.xp)
         check_array(k, "kv_write k", np.float32, 3, xp=self.xp)
         check_array(v, "kv_write v", np.float32, 3, xp=self.xp)
         check_array(slots, "kv_write slots", np.int64, 1, xp=self.xp)
@@ -504,7 +474,7 @@ class CudaOps:
                   out_int8: Int8Rows | None = None) -> Any:
         """Causal paged GQA attention of q [rows, nh, hd] over `layer` -> [rows, nh, hd];
         out_int8 (attention_for): the rows as int8 x too."""
-        check_kv(kv, layer, self.xp)
+        check_kv(kv, layer, xp=self.xp)
         check_array(q, "attention q", np.float32, 3, xp=self.xp)
         if q.shape[2] != kv.shape[4] or q.shape[1] % kv.shape[3] != 0 or q.shape[2] > 256:
             raise BadInputError(f"attention: q shape {q.shape} does not fit kv heads/dim {kv.shape[3:]} "
@@ -528,9 +498,9 @@ class CudaOps:
 
     def zero_pages(self, kv: Any, page_ids: Any, page_size: int) -> None:
         """Zero the K and V slots of `page_ids` [n] int32 in every layer."""
-        check_kv(kv, 0, self.xp)
+        check_kv(kv, 0, xp=self.xp)
         check_array(page_ids, "zero_pages page_ids", np.int32, 1, xp=self.xp)
-        self._range(page_ids, "zero_pages page_ids", 0, _num_pages(kv, page_size))
+        self._range(page_ids, "zero_pages page_ids", 0, num_pages_of(kv, page_size))
         if page_ids.shape[0]:
             flat = kv.reshape(kv.shape[0] * 2, kv.shape[2], kv.shape[3] * kv.shape[4])
             self._launch.zero_pages(self._dev(flat), self._dev(page_ids), int(page_size), self._stream())
@@ -543,7 +513,7 @@ class CudaOps:
         check_array(row_pos, "attention row_pos", np.int64, 1, xp=xp)
         check_shape(row_seq, "attention row_seq", (rows,))
         check_shape(row_pos, "attention row_pos", (rows,))
-        num_pages = _num_pages(kv, page_size)
+        num_pages = num_pages_of(kv, page_size)
         if rows == 0 or not self.device_checks:
             return
         self._range(row_seq, "attention row_seq", 0, block_table.shape[0])
@@ -552,51 +522,6 @@ class CudaOps:
         used = xp.arange(block_table.shape[1])[None, :] <= (row_pos // page_size)[:, None]
         if bool(xp.any(used & ((entries < 0) | (entries >= num_pages)))):
             raise BadInputError(f"attention: a row needs a block_table entry outside [0, {num_pages})")
-
-    # ------------------------------------------------------------------ drafter rings
-    def ring_write(self, src: Any, ring: Any, ring_ids: Any, positions: Any) -> None:
-        """ring[ring_ids[r], positions[r] % capacity] = src[r]; src [rows, width]."""
-        check_array(src, "ring_write src", None, 2, xp=self.xp)
-        check_array(ring, "ring", src.dtype, 3, xp=self.xp)
-        self._check_ring_rows(ring, ring_ids, positions, src.shape[0], src.shape[1])
-        if src.shape[0]:
-            parts = [self._dev(a) for a in (src, ring, ring_ids, positions)]
-            self._launch.ring_write(*parts, self._stream())
-
-    def ring_read(self, ring: Any, ring_ids: Any, positions: Any) -> Any:
-        """Rows ring[ring_ids[r], positions[r] % capacity] -> [rows, width]."""
-        check_array(ring, "ring", None, 3, xp=self.xp)
-        out = self.xp.empty((ring_ids.shape[0], ring.shape[2]), ring.dtype)
-        self._check_ring_rows(ring, ring_ids, positions, out.shape[0], ring.shape[2])
-        if out.shape[0]:
-            parts = [self._dev(a) for a in (ring, ring_ids, positions, out)]
-            self._launch.ring_read(*parts, self._stream())
-        return out
-
-    def copy_rows(self, src: Any, src_rows: Any, dst: Any, dst_rows: Any) -> None:
-        """dst[dst_rows[i]] = src[src_rows[i]] (the newest row's state into its lane's slot)."""
-        check_array(src, "copy_rows src", None, 2, xp=self.xp)
-        check_array(dst, "copy_rows dst", src.dtype, 2, xp=self.xp)
-        check_array(src_rows, "copy_rows src_rows", np.int64, 1, xp=self.xp)
-        check_array(dst_rows, "copy_rows dst_rows", np.int64, 1, xp=self.xp)
-        check_shape(dst_rows, "copy_rows dst_rows", src_rows.shape)
-        if dst.shape[1] != src.shape[1]:
-            raise BadInputError(f"copy_rows: widths differ ({src.shape[1]} vs {dst.shape[1]})")
-        self._range(src_rows, "copy_rows src_rows", 0, src.shape[0])
-        self._range(dst_rows, "copy_rows dst_rows", 0, dst.shape[0])
-        if src_rows.shape[0]:
-            parts = [self._dev(a) for a in (src, src_rows, dst, dst_rows)]
-            self._launch.copy_rows(*parts, self._stream())
-
-    def _check_ring_rows(self, ring: Any, ring_ids: Any, positions: Any, rows: int, width: int) -> None:
-        check_array(ring_ids, "ring_ids", np.int32, 1, xp=self.xp)
-        check_array(positions, "ring positions", np.int64, 1, xp=self.xp)
-        check_shape(ring_ids, "ring_ids", (rows,))
-        check_shape(positions, "ring positions", (rows,))
-        if ring.shape[2] != width:
-            raise BadInputError(f"ring: width {ring.shape[2]} != rows' width {width}")
-        self._range(ring_ids, "ring_ids", 0, ring.shape[0])
-        self._range(positions, "ring positions", 0, 1 << 62)
 
     # ------------------------------------------------------------------ MoE
     def moe(self, x: Any, router: Linear, gate: Linear, up: Linear, down: Linear,
@@ -657,6 +582,64 @@ class CudaOps:
             self._launch.sample(*parts, self._stream())
         return out
 
+    # ------------------------------------------------------------------ Gated DeltaNet
+    # The launchers of cuda_kernels/gdn.py on Numba views (no sync) and the current stream.
+    def _empty(self, shape: tuple[int, ...]) -> Any:
+        return self.xp.empty(shape, dtype=np.float32)
+
+    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any) -> Any:
+        out = self._empty(x.shape)
+        dev = self._dev
+        self._gdn.causal_conv1d_batch(dev(x), dev(conv_states), dev(weight), dev(row_lanes),
+                                      dev(out), stream=self._stream())
+        return out
+
+    def gdn_qk_l2norm(self, mixed: Any, num_k_heads: int, head_k_dim: int, eps: float,
+                      q_scale: float) -> tuple[Any, Any]:
+        shape = (mixed.shape[0], num_k_heads, head_k_dim)
+        q, k = self._empty(shape), self._empty(shape)
+        self._gdn.gdn_qk_l2norm(self._dev(mixed), num_k_heads, head_k_dim, eps, q_scale,
+                                self._dev(q), self._dev(k), stream=self._stream())
+        return q, k
+
+    def gdn_gates(self, a: Any, b: Any, a_log: Any, dt_bias: Any) -> tuple[Any, Any]:
+        g, beta = self._empty(a.shape), self._empty(a.shape)
+        parts = [self._dev(x) for x in (a, b, a_log, dt_bias, g, beta)]
+        self._gdn.gdn_gates(*parts, stream=self._stream())
+        return g, beta
+
+    def gated_delta_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any,
+                         row_lanes: Any) -> Any:
+        out = self._empty(v.shape)
+        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, out)]
+        self._gdn.gated_delta_rule_batch(*parts, stream=self._stream())
+        return out
+
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float) -> Any:
+        out = self._empty(x.shape)
+        dev = self._dev
+        self._gdn.gated_rms_norm(dev(x), dev(z), dev(weight), eps, dev(out), stream=self._stream())
+        return out
+
+    def split_query_gate(self, qg: Any, num_heads: int, head_dim: int) -> tuple[Any, Any]:
+        rows = qg.shape[0]
+        q = self._empty((rows, num_heads, head_dim))
+        gate = self._empty((rows, num_heads * head_dim))
+        self._gdn.split_query_gate(self._dev(qg), num_heads, head_dim, self._dev(q),
+                                   self._dev(gate), stream=self._stream())
+        return q, gate
+
+    def sigmoid_gate_mul(self, x: Any, gate: Any) -> None:
+        self._gdn.sigmoid_gate_mul(self._dev(x), self._dev(gate), self._dev(x),
+                                   stream=self._stream())
+
+
+def _one_weight(w: FusedLinear) -> Linear:
+    """CudaOps' fused weights are concatenations (concat_linears), never LinearParts."""
+    if isinstance(w, LinearParts):
+        raise BadInputError("CudaOps multiplies one concatenated weight, not LinearParts")
+    return w
+
 
 def _rows_of(w: Linear, start: int, stop: int) -> Linear:
     """Rows [start, stop) of a 2-D weight, as a view."""
@@ -664,9 +647,3 @@ def _rows_of(w: Linear, start: int, stop: int) -> Linear:
         return AffineWeight(w.codes[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
     assert isinstance(w, DenseWeight)
     return DenseWeight(w.w[start:stop])
-
-
-def _num_pages(kv: Any, page_size: int) -> int:
-    if page_size < 1 or kv.shape[2] % page_size != 0:
-        raise BadInputError(f"page_size {page_size} does not divide num_slots {kv.shape[2]}")
-    return kv.shape[2] // page_size

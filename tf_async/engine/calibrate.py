@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.decoder import Decoder, ForwardBatch
+from ..models.batch_io import ForwardBatch
+from ..models.checkpoint import Checkpoint
+from ..models.protocol import DecoderProtocol
 
 E4M3_MAX = 448.0
 HEADROOM = 4.0
@@ -19,7 +21,7 @@ CALIBRATION_TEXT = (
 )
 
 
-def fp8_kv_scales(decoder: Decoder, token_ids: list[int] | None = None) -> np.ndarray:
+def fp8_kv_scales(decoder: DecoderProtocol, token_ids: list[int] | None = None) -> np.ndarray:
     """Run the calibration tokens through an f32 scratch arena and measure |K|, |V| maxima
     (of the full-attention layers only for hybrids: `config` is their KV view)."""
     ops, cfg = decoder.ops, decoder.config
@@ -32,8 +34,13 @@ def fp8_kv_scales(decoder: Decoder, token_ids: list[int] | None = None) -> np.nd
     batch = ForwardBatch(put(np.asarray(ids, np.int64)), put(pos), put(pos),
                          put(np.zeros(rows, np.int32)), put(np.zeros((1, 1), np.int32)),
                          put(np.asarray([rows - 1], np.int64)), rows)
-    # hybrids run with a fresh zero state (no lane of the engine is touched)
-    run = getattr(decoder, "one_shot", decoder.forward)
-    run(batch, kv, ones)
+    decoder.one_shot(batch, kv, ones)  # hybrids: a fresh zero state, no lane of the engine
     amax = np.abs(ops.to_host(kv)).reshape(cfg.num_layers, 2, -1).max(axis=-1)
     return (np.maximum(amax, 1e-6) * HEADROOM / E4M3_MAX).astype(np.float32)
+
+
+def kv_scales_for(decoder: DecoderProtocol, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray | None:
+    """Per-layer fp8 K/V scales calibrated on the model, or None for f32/bf16."""
+    if kv_dtype != "fp8":
+        return None
+    return fp8_kv_scales(decoder, ckpt.tokenizer.encode(CALIBRATION_TEXT))

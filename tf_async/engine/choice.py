@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..api_types import SamplingParams
-from ..backend.base import DeviceSampler, device_sampler
+from ..backend.base import DeviceSampler, Ops, device_sampler
 from .sampling import adjust_logits, sample_token
 from .sequence import TokenChoice
 
@@ -49,7 +49,7 @@ def token_choices(seq: Sequence, num_rows: int) -> tuple[TokenChoice, ...]:
                  for i in range(num_rows))
 
 
-def choose_on_device(ops: Any, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice],
+def choose_on_device(ops: Ops, sampler: DeviceSampler, logits: Any, choices: list[TokenChoice],
                      uploaded: tuple[Any, ...] | None = None) -> Any:
     """One launch over logits [rows, V] (device): argmax when every row is greedy, else the
     seeded sampler (which is argmax too at temperature 0). Both pick the largest logit with
@@ -61,7 +61,7 @@ def choose_on_device(ops: Any, sampler: DeviceSampler, logits: Any, choices: lis
     return sampler.sample(logits, *(uploaded if uploaded is not None else choice_arrays(ops, choices)))
 
 
-def choice_arrays(ops: Any, choices: list[TokenChoice]) -> tuple[Any, ...]:
+def choice_arrays(ops: Ops, choices: list[TokenChoice]) -> tuple[Any, ...]:
     """The sampler's per-row arrays of `choices` on the ops' device: temperatures, top_k, top_p,
     seeds, positions."""
     put = ops.asarray
@@ -92,7 +92,7 @@ class TargetChooser:
     position)), else with the host sampler; so the target as its own drafter accepts every
     draft on either path."""
 
-    def __init__(self, ops: Any):
+    def __init__(self, ops: Ops):
         self.ops = ops
         self.sampler = device_sampler(ops)
 

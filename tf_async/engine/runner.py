@@ -13,24 +13,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
-from ..backend.base import DeviceSampler, Ops, device_sampler
-from ..models.batch_io import NO_PAGE, check_indices, pack_batch, packed_of
-from ..models.decoder import Decoder, ForwardBatch
+from ..backend.base import Array, DeviceSampler, Ops, device_sampler
+from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
+from ..models.protocol import DecoderProtocol
 from ..models.qwen35 import RecurrentStates
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
-
-KV_DTYPES = ("f32", "bf16", "fp8")
 
 
 class Arena:
     """KV memory: kv [layers, 2, num_pages * page_size, nkv, hd] plus per-layer fp8 scales."""
 
-    def __init__(self, ops: Ops, decoder: Decoder, *, num_pages: int, page_size: int,
+    def __init__(self, ops: Ops, decoder: DecoderProtocol, *, num_pages: int, page_size: int,
                  kv_dtype: str, kv_scales: np.ndarray | None = None):
         cfg = decoder.config
         self.num_pages = num_pages
@@ -42,7 +40,7 @@ class Arena:
         self.kv_scales = ops.asarray(scales.astype(np.float32))
         self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
 
-    def add_drafter_region(self, region):  # noqa: ANN001, ANN201 - an Array of uint8
+    def add_drafter_region(self, region: Array) -> Array:  # region: [bytes] uint8
         """Attach the drafter areas' byte region; done once at engine start."""
         assert self.drafter_region is None, "the drafter region is allocated once"
         self.drafter_region = region
@@ -55,11 +53,11 @@ class Arena:
 
 
 class Runner:
-    def __init__(self, decoder: Decoder, arena: Arena):
+    def __init__(self, decoder: DecoderProtocol, arena: Arena):
         self.decoder = decoder
         self.ops = decoder.ops
         self.arena = arena
-        self.states: RecurrentStates | None = getattr(decoder, "states", None)
+        self.states: RecurrentStates | None = decoder.states
         self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
         self._state_touched = False  # the decoder's forward ran (recurrent state may be advanced)
         # Tests set this to raise inside a step for chosen requests (failure injection).
@@ -147,11 +145,8 @@ class Runner:
         batch = self._batch(all_rows, tables)
         self._state_touched = True
         with self._host_checked(batch):
-            if self.all_hidden:
-                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
-                                                      all_hidden=True)  # type: ignore[call-arg]
-            else:
-                logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
+            logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
+                                                  all_hidden=self.all_hidden)
         host, tokens = self._choose(all_rows, logits)
         return self._split(all_rows, host, tokens, hidden, every_row=self.all_hidden)
 
@@ -179,7 +174,7 @@ class Runner:
             with self._host_checked(batch):
                 logits, _ = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales)
             chosen.append(self._choose_each(step, logits, uploaded))
-        ids = self.ops.to_host(getattr(self.ops, "xp", np).stack(chosen))  # [steps, rows]
+        ids = self.ops.to_host(self.ops.xp.stack(chosen))  # [steps, rows]
         return RoundResult({}, {}, {}, {r.request_id: ids[:, i].tolist() for i, r in enumerate(all_rows)})
 
     def _choose_each(self, all_rows: tuple[SeqRows, ...], logits: Any, uploaded: tuple[Any, ...] | None) -> Any:
@@ -197,8 +192,7 @@ class Runner:
         """The chosen ids [rows] (device) of logits [rows, V]: the graph's own argmax when the
         decoder replayed them and every row is greedy (GraphDecoder), else one launch."""
         assert self.sampler is not None
-        in_graph = getattr(self.decoder, "argmax_of", None)
-        greedy = in_graph(logits) if in_graph is not None and all(c.greedy for c in choices) else None
+        greedy = self.decoder.argmax_of(logits) if all(c.greedy for c in choices) else None
         return greedy if greedy is not None else choose_on_device(self.ops, self.sampler, logits, choices,
                                                                   uploaded)
 
@@ -206,13 +200,12 @@ class Runner:
         """Check the round's indices once, on the packed host copy (NumPy, no device work),
         and run the forward without the backend's per-op device checks (on the GPU each is a
         host sync: a few per layer). A batch without a host copy keeps the device checks."""
-        unchecked = getattr(self.ops, "unchecked", None)
         packed = packed_of(batch)
-        if unchecked is None or packed is None:
+        if not self.ops.capabilities.device_checks or packed is None:
             return nullcontext()
         check_indices(packed.layout, packed.host, vocab=self.decoder.weights.embed.out_features,
                       num_slots=int(self.arena.kv.shape[2]), page_size=batch.page_size)
-        return cast(AbstractContextManager[Any], unchecked())
+        return self.ops.unchecked()
 
     def _choose(self, all_rows: tuple[SeqRows, ...], logits: Any,
                 ) -> tuple[dict[int, np.ndarray], dict[int, list[int]]]:
@@ -303,7 +296,7 @@ class Runner:
     def _seq_lanes(self, lanes: list[int]) -> np.ndarray | None:
         """Block-table row -> lane (host; packed with the batch), for models with per-lane
         recurrent state only (a dense round without it can be replayed from a CUDA graph)."""
-        if getattr(self.decoder, "states", None) is None:
+        if self.decoder.states is None:
             return None
         return np.asarray(lanes, np.int32)
 

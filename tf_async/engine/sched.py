@@ -12,18 +12,15 @@ saved before the round) and the accepted rows are fed again with the next decode
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 from ..api_types import SamplingParams
 from .choice import token_choices
+from .drafting import Drafter, zero_stats
+from .grammar import TokenMask
 from .lanes import Lanes
 from .prefix import StateSlots, next_key, root_key
 from .sampling import adjust_logits, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
-
-if TYPE_CHECKING:
-    from .drafting import Drafter
-    from .grammar import TokenMask
 
 
 class Scheduler:
@@ -41,7 +38,7 @@ class Scheduler:
         self.round_index = 0
         self._num_admissions = 0
         self.num_preemptions = 0
-        self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafting.py)
+        self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafters/registry.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
         self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
         self.state_slots: StateSlots | None = None  # hybrids with a prefix cache (build)
@@ -327,8 +324,6 @@ class Scheduler:
         return None
 
     def drafter_stats(self) -> dict[str, int]:
-        from .drafting import zero_stats
-
         return self.drafter.stats() if self.drafter is not None else zero_stats()
 
     def _accept(self, seq: Sequence, rows: SeqRows, result: RoundResult) -> TokenEvent:

@@ -30,7 +30,6 @@ import numpy as np
 
 from ..backend.base import Array, Ops
 from ..errors import BadInputError
-from .decoder import ForwardBatch
 
 FIELDS = ("token_ids", "positions", "slots", "row_seq", "block_table", "logit_rows")
 NO_PAGE = -1  # a block table's padding past a stream's own pages: no page (fails the checks)
@@ -131,6 +130,23 @@ class PackedBatch:
             getattr(batch, name) is getattr(dv, name) for name in FIELDS)
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """Rows of one forward call (any mix of streams). Arrays live on the ops' device."""
+
+    token_ids: Array  # [rows] int64
+    positions: Array  # [rows] int64, absolute position of each row in its stream
+    slots: Array  # [rows] int64, KV slot each row writes
+    row_seq: Array  # [rows] int32, row -> index into block_table
+    block_table: Array  # [seqs, max_pages] int32
+    logit_rows: Array  # [m] int64, rows whose logits are wanted
+    page_size: int
+    seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
+    # The one packed buffer the fields view, with its host original (pack_batch); None for
+    # a batch built from separate arrays.
+    packed: PackedBatch | None = None
+
+
 def packed_of(batch: ForwardBatch) -> PackedBatch | None:
     """The batch's packed buffers while its fields are still their views, else None (a batch
     built from separate arrays, or rebuilt with dataclasses.replace)."""
@@ -171,7 +187,7 @@ def pack_host(*, token_ids: Sequence[int] | np.ndarray, positions: Sequence[int]
 def upload(ops: Ops, layout: Layout, host: np.ndarray, page_size: int) -> ForwardBatch:
     """One copy of the packed buffer to the ops' device; the batch's fields view it."""
     device = _uploader(ops).put(host) if ops.name == "cuda" else ops.asarray(host)
-    v = layout.views(device, getattr(ops, "xp", None))
+    v = layout.views(device, ops.xp)
     return ForwardBatch(v.token_ids, v.positions, v.slots, v.row_seq, v.block_table, v.logit_rows,
                         page_size, v.seq_lanes, PackedBatch(layout, host, device, v))
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..backend.weights import Linear
 from .config import ModelConfig
-from .weights import Linear
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer

@@ -9,33 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..backend.base import Array, Ops
+from ..backend.weights import FusedLinear
+from .batch_io import ForwardBatch
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .rope import rope_tables
-
-if TYPE_CHECKING:
-    from .batch_io import PackedBatch
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardBatch:
-    """Rows of one forward call (any mix of streams). Arrays live on the ops' device."""
-
-    token_ids: Array  # [rows] int64
-    positions: Array  # [rows] int64, absolute position of each row in its stream
-    slots: Array  # [rows] int64, KV slot each row writes
-    row_seq: Array  # [rows] int32, row -> index into block_table
-    block_table: Array  # [seqs, max_pages] int32
-    logit_rows: Array  # [m] int64, rows whose logits are wanted
-    page_size: int
-    seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
-    # The one packed buffer the fields view, with its host original (models/batch_io.py:
-    # pack_batch); None for a batch built from separate arrays.
-    packed: PackedBatch | None = None
 
 
 class Decoder:
@@ -43,24 +25,39 @@ class Decoder:
         self.config = ckpt.config
         self.ops = ops
         self.weights = _upload(ckpt.weights, ops)
-        self.fused = _fuse_layers(self.weights, ops) if getattr(ops, "fused_layers", False) else None
+        self.fused = _fuse_layers(self.weights, ops)
         inv_freq, self.mscale = rope_tables(ckpt.config, ckpt.weights.rope_freq_divisors)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(ckpt.config.head_dim)
 
-    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
-        """Run the rows; return (logits [m, V], final-normed hidden [m, H]) of batch.logit_rows."""
+    @property
+    def states(self) -> None:
+        """No recurrent state: every layer is attention (DecoderProtocol)."""
+        return None
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        return self.forward(batch, kv, kv_scales)
+
+    def argmax_of(self, logits: Array) -> None:
+        return None
+
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                all_hidden: bool = False) -> tuple[Array, Array]:
+        """Run the rows; return (logits [m, V] of batch.logit_rows, final-normed hidden [m, H]
+        of those rows, or [rows, H] of every row when `all_hidden`)."""
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
-        for index, layer in enumerate(w.layers):
-            fused = self.fused[index] if self.fused is not None else None
+        for index, (layer, fused) in enumerate(zip(w.layers, self.fused, strict=True)):
             if fused is not None:
                 self._fused_layer(index, layer, fused, h, batch, kv, kv_scales)  # h in place
                 continue
+            # a layer whose q, k, v cannot be fused (some biases but not all; CUDA: mixed kinds)
             h = h + self._attention(index, layer, h, batch, kv, kv_scales)
             h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
-        hidden = ops.rms_norm(h[batch.logit_rows], w.final_norm, self.config.rms_norm_eps)
-        return ops.linear(hidden, w.lm_head), hidden
+        hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm,
+                              self.config.rms_norm_eps)
+        logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
+        return ops.linear(logit_hidden, w.lm_head), hidden
 
     def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
                    kv: Array, kv_scales: Array) -> Array:
@@ -82,12 +79,11 @@ class Decoder:
 
     def _fused_layer(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
                      batch: ForwardBatch, kv: Array, kv_scales: Array) -> None:
-        """One layer with the backend's fused ops (CudaOps.fused_layers): the bits of
-        _attention and _mlp, in 8 ops instead of 18 (the *_for ops: an output that only a
-        matmul on int8 x reads is written as that int8 x by the launch that makes it: the
-        norms and attention); h is updated in place."""
-        ops: Any = self.ops
-        cfg = self.config
+        """One layer with the backend's layer ops: the bits of _attention and _mlp, in 8 ops
+        instead of 18 on CUDA (the *_for ops: an output that only a matmul on int8 x reads is
+        written as that int8 x by the launch that makes it: the norms and attention), the
+        basic ops themselves on the CPU; h is updated in place."""
+        ops, cfg = self.ops, self.config
         eps = cfg.rms_norm_eps
         qkv = ops.linear(ops.rms_norm_for(h, layer.input_norm, eps, fused.qkv), fused.qkv, fused.qkv_bias)
         q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
@@ -120,12 +116,12 @@ class FusedLayer:
     """A layer's concatenated weights for the fused path: q|k|v (and their biases), and
     gate|up of a dense MLP (None for MoE layers)."""
 
-    qkv: Any
+    qkv: FusedLinear
     qkv_bias: Array | None
-    gate_up: Any | None
+    gate_up: FusedLinear | None
 
 
-def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
+def _fuse_layers(weights: ModelWeights, ops: Ops) -> list[FusedLayer | None]:
     """Concatenate each layer's q, k, v (and gate, up) on the device; the layer keeps views
     of the concatenation, so no weight is held twice. A layer whose q, k, v differ in kind
     (e.g. mixed GGUF quant types) or carry some biases but not all is not fused."""
@@ -141,7 +137,7 @@ def _fuse_layers(weights: ModelWeights, ops: Any) -> list[FusedLayer | None]:
         gate_up = None
         if layer.gate is not None and layer.up is not None:
             gate_up = ops.concat_linears([layer.gate, layer.up])
-        views = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
+        views: dict[str, Any] = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
         if gate_up is not None:
             views.update(gate=gate_up[1][0], up=gate_up[1][1])
         weights.layers[i] = replace(layer, **views)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..backend.weights import AffineWeight, DenseWeight, Linear
 from ..errors import ModelFormatError
-from .weights import AffineWeight, DenseWeight, Linear
 
 QType = GGMLQuantizationType
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
+from ..backend.weights import AffineWeight, DenseWeight, Linear
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .config import ROPE_TYPES, ModelConfig
 from .ggml_quants import float_array, to_linear
 from .progress import LoadProgress
-from .weights import AffineWeight, DenseWeight, Linear
 
 _GGUF_MAGIC = b"GGUF"
 

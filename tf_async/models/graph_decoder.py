@@ -24,7 +24,7 @@ then nothing is checked twice.
     round:  check indices (host) -> copy into the static buffer -> replay -> copy outputs
 
 Where the GPU (Hopper or later) and its driver allow, the kernel-to-kernel edges of the graph
-are programmatic (cuda_kernels/graphs.py): each kernel is launched while the one before it
+are programmatic (GraphOps.capture_programmatic: cuda_kernels/graphs.py): each kernel is launched while the one before it
 finishes and waits on the device before it reads anything, so the same kernels run in the
 same order, with less time between them.
 
@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend.base import Array
+from ..backend.base import Array, GraphOps, graph_ops
 from ..errors import BadInputError
-from .batch_io import Layout, check_indices, packed_of
-from .decoder import Decoder, ForwardBatch
+from .batch_io import ForwardBatch, Layout, check_indices, packed_of
+from .decoder import Decoder
 
 
 @dataclass(slots=True)
@@ -66,15 +66,16 @@ class _Captured:
 
 
 class GraphDecoder:
-    """Same interface as Decoder (config, ops, weights, forward); wraps one Decoder on CudaOps."""
+    """A DecoderProtocol that wraps one dense Decoder on GraphOps (CudaOps)."""
 
     def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True,
                  max_graphs: int = 32):
-        if decoder.ops.name != "cuda":
+        ops = graph_ops(decoder.ops)
+        if ops is None:
             raise BadInputError("CUDA graphs need the cuda device", param="device")
         self.decoder = decoder
         self.config = decoder.config
-        self.ops = decoder.ops
+        self.ops: GraphOps = ops
         self.weights = decoder.weights
         self.max_rows = max_rows
         # Each captured shape keeps its own memory pool: past `max_graphs` shapes (drafting
@@ -87,8 +88,13 @@ class GraphDecoder:
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.decoder, name)  # inv_freq, mscale, sm_scale, ...
+    @property
+    def states(self) -> None:
+        """Dense models only: a round with recurrent state is never captured."""
+        return None
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        return self.decoder.forward(batch, kv, kv_scales)
 
     def argmax_of(self, logits: Array) -> Array | None:
         """ops.argmax(logits), computed inside the graph, when `logits` is the very array the
@@ -97,16 +103,19 @@ class GraphDecoder:
             return self._greedy[1]
         return None
 
-    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                all_hidden: bool = False) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         self._greedy = None
+        if all_hidden:  # every row's hidden: not what a graph captures
+            return self.decoder.forward(batch, kv, kv_scales, all_hidden=True)
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)
         if (not decode_shaped or batch.seq_lanes is not None  # recurrent state: not captured
                 or width > kv.shape[2] // batch.page_size):  # wider than the static table
             return self.decoder.forward(batch, kv, kv_scales)
-        if getattr(self.ops, "device_checks", True):  # unchecked(): the caller checked (the runner)
+        if self.ops.device_checks:  # False inside unchecked(): the caller checked (the runner)
             packed = packed_of(batch)
             if packed is not None:
                 check_indices(packed.layout, packed.host,
@@ -150,19 +159,17 @@ class GraphDecoder:
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
                         static, kv, kv_scales)
         cap.stream.wait_event(caller.record())
-        with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():  # type: ignore[attr-defined]
+        with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():
             _load(xp, cap, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())
 
             def record() -> None:
                 cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
-                cap.greedy = self.ops.argmax(cap.logits)  # type: ignore[attr-defined]
+                cap.greedy = self.ops.argmax(cap.logits)
 
             if self.programmatic:
-                from cuda_kernels.graphs import capture_programmatic
-
-                cap.graph = capture_programmatic(cap.stream, record)
+                cap.graph = self.ops.capture_programmatic(cap.stream, record)
             if cap.graph is None:
                 cap.stream.begin_capture(mode=_relaxed(xp))
                 try:

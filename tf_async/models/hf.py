@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ..backend.weights import AffineWeight, DenseWeight, Linear
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .config import ModelConfig, config_from_hf
 from .progress import LoadProgress
 from .safetensors_io import SafetensorsFile
-from .weights import AffineWeight, DenseWeight, Linear
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -1,13 +1,20 @@
-"""The one entry point that turns a model path into a Checkpoint."""
+"""The one entry point that turns a model path into a Checkpoint, and the table that turns
+a checkpoint into its decoder."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+from ..backend.base import Ops
 from ..errors import ModelFormatError
 from .checkpoint import Checkpoint
+from .config import SUPPORTED_ARCHS
+from .decoder import Decoder
 from .progress import LoadProgress
+from .protocol import DecoderProtocol
+from .qwen35 import HYBRID_ARCHS, HybridDecoder
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -41,3 +48,30 @@ def _load(model_path: Path, progress: LoadProgress) -> Checkpoint:
         f"{model_path}: not a model; expected a .gguf file or a folder with config.json "
         "and model.safetensors (Hugging Face or MLX)"
     )
+
+
+def _dense_decoder(checkpoint: Checkpoint, ops: Ops, num_lanes: int) -> DecoderProtocol:
+    return Decoder(checkpoint, ops)
+
+
+def _hybrid_decoder(checkpoint: Checkpoint, ops: Ops, num_lanes: int) -> DecoderProtocol:
+    decoder = HybridDecoder(checkpoint, ops)
+    decoder.attach_states(decoder.new_states(num_lanes))  # one state slot a lane
+    return decoder
+
+
+# architecture (ModelConfig.arch) -> (checkpoint, ops, number of lanes) -> its decoder
+DECODERS: dict[str, Callable[[Checkpoint, Ops, int], DecoderProtocol]] = {
+    **{arch: _dense_decoder for arch in SUPPORTED_ARCHS},
+    **{arch: _hybrid_decoder for arch in HYBRID_ARCHS},
+}
+
+
+def make_decoder(checkpoint: Checkpoint, ops: Ops, *, num_lanes: int = 1) -> DecoderProtocol:
+    """The decoder of the checkpoint's architecture (hybrids: with a RecurrentStates store
+    for `num_lanes` lanes attached)."""
+    make = DECODERS.get(checkpoint.config.arch)
+    if make is None:
+        raise ModelFormatError(f"no decoder for architecture {checkpoint.config.arch!r}; "
+                               f"known: {sorted(DECODERS)}")
+    return make(checkpoint, ops, num_lanes)

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..backend.base import Array
 from ..errors import BadInputError
-from .decoder import ForwardBatch
+from .batch_io import ForwardBatch
+from .protocol import DecoderProtocol
 from .qwen35 import HybridDecoder, MtpWeights
 
 
@@ -76,7 +77,7 @@ class MtpHead:
                             put(np.arange(num_rows, dtype=np.int64)), capacity)
 
 
-def make_mtp_head(decoder: HybridDecoder) -> MtpHead:
+def make_mtp_head(decoder: DecoderProtocol) -> MtpHead:
     """The MTP head of a hybrid decoder; BadInputError naming why when the checkpoint has none
     (not declared, declared but no mtp.* weights shipped, or unsupported)."""
     if not isinstance(decoder, HybridDecoder):

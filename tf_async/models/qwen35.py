@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..backend.base import Array, Ops
-from .batch_io import packed_of
+from ..backend.weights import DenseWeight, Linear
+from .batch_io import ForwardBatch, packed_of
 from .config import ModelConfig
-from .decoder import ForwardBatch
 from .rope import rope_tables
-from .weights import DenseWeight, Linear
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
 LINEAR_ATTENTION = "linear_attention"
@@ -329,7 +328,6 @@ class HybridDecoder:
         self.hybrid = weights.hybrid
         self.config = self.hybrid.kv_config
         self.ops = ops
-        self.kernels = gdn_kernels_for(ops)
         self.weights: HybridWeights = upload_tree(weights, ops, {})
         inv_freq, self.mscale = rope_tables(self.config, None)
         self.inv_freq = ops.asarray(inv_freq)
@@ -367,6 +365,9 @@ class HybridDecoder:
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
         return ops.linear(logit_hidden, w.lm_head), hidden
 
+    def argmax_of(self, logits: Array) -> None:
+        return None
+
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """Forward with fresh zero states, one lane per block-table row (calibration, tests)."""
         num_seqs = int(batch.block_table.shape[0])
@@ -392,31 +393,25 @@ class HybridDecoder:
                  row_lanes: Array) -> Array:
         """One GDN layer over rows of any streams (docs/QWEN35.md section 4).
         a: [rows, H]; conv_states [lanes, K-1, C], delta_states [lanes, Hv, dk, dv] (updated)."""
-        hyb, ops, kern = self.hybrid, self.ops, self.kernels
+        hyb, ops = self.hybrid, self.ops
         rows = a.shape[0]
         hk, hv = hyb.linear_num_key_heads, hyb.linear_num_value_heads
         dk, dv = hyb.linear_key_head_dim, hyb.linear_value_head_dim
-        mixed = kern.empty((rows, hyb.conv_channels))
-        kern.causal_conv1d_batch(ops.linear(a, w.in_qkv), conv_states, w.conv, row_lanes, mixed)
-        q, k = kern.empty((rows, hk, dk)), kern.empty((rows, hk, dk))
-        kern.gdn_qk_l2norm(mixed, hk, dk, L2_EPS, dk ** -0.5, q, k)
-        g, beta = kern.empty((rows, hv)), kern.empty((rows, hv))
-        kern.gdn_gates(ops.linear(a, w.in_a), ops.linear(a, w.in_b), w.a_log, w.dt_bias, g, beta)
+        mixed = ops.causal_conv1d(ops.linear(a, w.in_qkv), conv_states, w.conv, row_lanes)
+        q, k = ops.gdn_qk_l2norm(mixed, hk, dk, L2_EPS, dk ** -0.5)
+        g, beta = ops.gdn_gates(ops.linear(a, w.in_a), ops.linear(a, w.in_b), w.a_log, w.dt_bias)
         v = mixed[:, 2 * hk * dk:].reshape(rows, hv, dv)
-        o = kern.empty((rows, hv, dv))
-        kern.gated_delta_rule_batch(q, k, v, g, beta, delta_states, row_lanes, o)
-        y = kern.empty((rows, hv, dv))
+        o = ops.gated_delta_rule(q, k, v, g, beta, delta_states, row_lanes)
         z = ops.linear(a, w.in_z).reshape(rows, hv, dv)
-        kern.gated_rms_norm(o, z, w.norm, self.config.rms_norm_eps, y)
+        y = ops.gated_rms_norm(o, z, w.norm, self.config.rms_norm_eps)
         return ops.linear(y.reshape(rows, hv * dv), w.out)
 
     def attention(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
                   kv_layer: int, kv_scales: Array) -> Array:
         """Gated full attention (MODELS.md 5.4) writing K/V into arena layer `kv_layer`."""
-        ops, cfg, kern = self.ops, self.config, self.kernels
+        ops, cfg = self.ops, self.config
         rows, nh, hd = a.shape[0], cfg.num_heads, cfg.head_dim
-        q, gate = kern.empty((rows, nh, hd)), kern.empty((rows, nh * hd))
-        kern.split_query_gate(ops.linear(a, w.q), nh, hd, q, gate)
+        q, gate = ops.split_query_gate(ops.linear(a, w.q), nh, hd)
         k = ops.linear(a, w.k).reshape(rows, cfg.num_kv_heads, hd)
         v = ops.linear(a, w.v).reshape(rows, cfg.num_kv_heads, hd)
         q = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
@@ -426,7 +421,7 @@ class HybridDecoder:
         ops.kv_write(kv, kv_layer, k, v, batch.slots, kv_scales)
         o = ops.attention(q, kv, kv_layer, kv_scales, batch.block_table, batch.row_seq,
                           batch.positions, batch.page_size, self.sm_scale).reshape(rows, nh * hd)
-        kern.sigmoid_gate_mul(o, gate, o)
+        ops.sigmoid_gate_mul(o, gate)
         return ops.linear(o, w.o)
 
     def ffn(self, w: FfnWeights, x: Array) -> Array:
@@ -441,60 +436,5 @@ class HybridDecoder:
         xp = ops.xp  # the [rows, 1] gate broadcast over H, then the kernel's sigmoid multiply
         gate = xp.ascontiguousarray(xp.broadcast_to(ops.linear(x, w.shared_expert_gate),
                                                     shared.shape))
-        self.kernels.sigmoid_gate_mul(shared, gate, shared)
+        ops.sigmoid_gate_mul(shared, gate)
         return routed + shared
-
-
-# ---------------------------------------------------------------------------------------
-# GDN kernels of the ops' backend
-
-
-class GdnKernels:
-    """The launchers of backend/cpu/gdn.py or cuda_kernels/gdn.py with output allocation."""
-
-    def __init__(self, module: Any, xp: Any, stream: Any = None, device_view: Any = None):
-        self.module = module
-        self.xp = xp
-        self.stream = stream
-        # CUDA: arrays go to the launchers as Numba views made without a sync (the kernels
-        # run on CuPy's current stream); a raw CuPy array would sync that stream per argument.
-        self.device_view = device_view
-
-    def empty(self, shape: tuple[int, ...]) -> Array:
-        return self.xp.empty(shape, dtype=np.float32)
-
-    def __getattr__(self, name: str) -> Any:
-        launcher = getattr(self.module, name)
-        if self.stream is None:
-            return launcher
-        view = self.device_view
-
-        def launch(*args: Any) -> Any:
-            if view is not None:
-                args = tuple(view(a) if hasattr(a, "__cuda_array_interface__") else a for a in args)
-            return launcher(*args, stream=self.stream())
-
-        return launch
-
-
-def gdn_kernels_for(ops: Ops) -> GdnKernels:
-    """CPU: the Numba twins; CUDA: the Numba CUDA launchers on the ops' current stream."""
-    if ops.name == "cpu":
-        from ..backend.cpu import gdn
-
-        return GdnKernels(gdn, ops.xp)
-    from cuda_kernels import gdn as cuda_gdn  # noqa: PLC0415 - only CUDA runs import it
-
-    return GdnKernels(cuda_gdn, ops.xp, getattr(ops, "_stream", None), getattr(ops, "_dev", None))
-
-
-def make_decoder(checkpoint: Any, ops: Ops, *, num_lanes: int = 1) -> Any:
-    """The decoder for a checkpoint: HybridDecoder (with a RecurrentStates store for
-    `num_lanes` lanes attached) for qwen3_5 / qwen3_5_moe, else the dense Decoder."""
-    if isinstance(checkpoint.weights, HybridWeights):
-        decoder = HybridDecoder(checkpoint, ops)
-        decoder.attach_states(decoder.new_states(num_lanes))
-        return decoder
-    from .decoder import Decoder
-
-    return Decoder(checkpoint, ops)

@@ -75,6 +75,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_decode_steps_arg(parser)
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a lane; more get HTTP 429")
+    parser.add_argument("--draft-ring", type=int, default=None,
+                        help="ring rows of a drafter's context (default: --ctx)")
+    parser.add_argument("--draft-areas", type=int, default=None,
+                        help="drafter areas in the arena (default: one a lane; env TF_DRAFT_AREAS)")
+    parser.add_argument("--ngram-min", type=int, default=2,
+                        help="shortest suffix the ngram drafter matches (1 to 3)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -108,8 +114,9 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   kv_dtype=args.kv_dtype, paging=args.paging, kv_pages=args.kv_pages,
                   step_tokens=args.step_tokens, drafter=args.drafter,
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
-                  cuda_graphs=args.cuda_graphs,
-                  decode_steps=args.decode_steps, prefix_cache=args.prefix_cache)
+                  cuda_graphs=args.cuda_graphs, decode_steps=args.decode_steps,
+                  prefix_cache=args.prefix_cache, draft_ring=args.draft_ring,
+                  draft_areas=args.draft_areas, ngram_min=args.ngram_min)
 
 
 def run_serve(args: argparse.Namespace) -> int:

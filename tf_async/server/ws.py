@@ -20,8 +20,8 @@ from aiohttp import WSMsgType, web
 
 from ..api_types import Delta
 from ..errors import BadInputError, QueueFullError
-from .app import SERVER_KEY, Server
 from .schemas import UsageOut, WsCancel, WsChat, decode
+from .state import SERVER_KEY, Server
 
 log = logging.getLogger("tf_async.server")
 

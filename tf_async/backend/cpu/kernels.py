@@ -91,11 +91,6 @@ def _splat(builder, value, vector_type):
     return builder.shuffle_vector(one, undef, mask)
 
 
-def _byte_ptr(context, builder, array_type, array_value, byte_offset):
-    data = context.make_array(array_type)(context, builder, array_value).data
-    return builder.gep(builder.bitcast(data, _I8.as_pointer()), [byte_offset])
-
-
 def _fma16(builder, codes_i32, scale, bias):
     fnty = ir.FunctionType(_V16_F32, [_V16_F32] * 3)
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32")

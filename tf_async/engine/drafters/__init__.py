@@ -1,1 +1,1 @@
-"""Ring drafters: a smaller draft model (`draft:PATH`) and the MTP layer (`mtp`)."""
+"""The drafters (ngram, a draft model, the MTP layer) and their registry of kinds."""

@@ -4,10 +4,12 @@ template (a failed draft only costs speed) and the stats."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ...backend.base import Array, Ops
 from ..choice import TargetChooser
-from ..drafting import DraftContext, DraftContexts, zero_stats
+from ..drafting import zero_stats
+from .contexts import DraftContext, DraftContexts
 
 if TYPE_CHECKING:
     from ..sequence import Sequence
@@ -20,7 +22,7 @@ class ContextDrafter:
 
     name = "context"
 
-    def __init__(self, ops: Any, kv_scales: Any, contexts: DraftContexts, draft_tokens: int):
+    def __init__(self, ops: Ops, kv_scales: Array, contexts: DraftContexts, draft_tokens: int):
         self.ops = ops  # the target's Ops: the drafter's arrays live in the target's run
         self.kv_scales = kv_scales  # of the drafter's K/V rows (fp8), else None / ones
         self.choose = TargetChooser(ops)  # each draft as the target will pick it

@@ -10,30 +10,36 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import BadInputError
-from ...models.decoder import Decoder, ForwardBatch
+from ...models.batch_io import ForwardBatch
+from ...models.decoder import Decoder
+from ...models.loader import load_checkpoint
+from ...models.protocol import DecoderProtocol
+from ...models.qwen35 import HybridWeights
 from ..area import AreaLayout
-from ..drafting import DraftContext, DraftContexts, count_accepted, num_areas_option
+from ..calibrate import kv_scales_for
+from ..drafting import count_accepted
 from .base import ContextDrafter
+from .contexts import DraftContext, DraftContexts, make_contexts
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
+    from ..drafting import DrafterSpec
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sequence import SeqRows, Sequence
 
 log = logging.getLogger("tf_async.drafting")
-MakeContexts = Callable[["Runner", AreaLayout, int], DraftContexts]
 
 
 class ModelDrafter(ContextDrafter):
     name = "draft"
 
-    def __init__(self, decoder: Decoder, kv_scales: Any, contexts: DraftContexts,
+    def __init__(self, decoder: DecoderProtocol, kv_scales: Any, contexts: DraftContexts,
                  draft_tokens: int):
         super().__init__(decoder.ops, kv_scales, contexts, draft_tokens)
         self.decoder = decoder
@@ -85,32 +91,22 @@ class ModelDrafter(ContextDrafter):
             ctx.num_valid = ctx.base_pos + min(num_new_tokens - 1, ctx.num_fed)
 
 # ---- construction -------------------------------------------------------------------------
-def make_ring_drafter(kind: str, path: str | None, options: dict[str, Any], ckpt: Checkpoint,
-                      runner: Runner, num_lanes: int, *, make_contexts: MakeContexts) -> ModelDrafter:
-    capacity = options.get("draft_ring") or options["ctx"]
-    if not isinstance(capacity, int) or capacity < 1:
-        raise BadInputError("draft_ring must be an integer >= 1", param="draft_ring")
-    num_areas = num_areas_option(options, num_lanes)
-    if kind == "mtp":
-        from .mtp import make_mtp_drafter
-
-        return make_mtp_drafter(options, ckpt, runner, capacity, num_areas,  # type: ignore[return-value]
-                                make_contexts=make_contexts)
-    assert path is not None
-    draft, decoder, kv_scales = _load_draft(path, ckpt, runner, options["kv_dtype"])
-    layout = AreaLayout.for_model(draft.config, capacity, options["kv_dtype"])
+def make_model_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
+                       runner: Runner, num_lanes: int) -> ModelDrafter:
+    """`draft:PATH`: the draft model's decoder on the target's Ops, its ring in the run."""
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
+    assert spec.path is not None
+    draft, decoder, kv_scales = _load_draft(spec.path, ckpt, runner, options.kv_dtype)
+    layout = AreaLayout.for_model(draft.config, capacity, options.kv_dtype)
     return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas),
-                        options["draft_tokens"])
+                        options.draft_tokens)
 
 
-def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):  # noqa: ANN202
+def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):
     """The draft checkpoint, its decoder and KV scales (the target's own when it drafts itself)."""
     if _same_file(path, str(ckpt.path)):
         refuse_recurrent_draft(ckpt)
         return ckpt, runner.decoder, runner.arena.kv_scales
-    from ...models.loader import load_checkpoint
-    from ..build import kv_scales_for
-
     draft = load_checkpoint(path)
     refuse_recurrent_draft(draft)
     check_same_vocab(ckpt, draft)
@@ -130,8 +126,6 @@ def _same_file(a: str, b: str) -> bool:
 
 def refuse_recurrent_draft(draft: Checkpoint) -> None:
     """A draft model's ring holds K/V rows only: a hybrid (recurrent state) cannot draft."""
-    from ...models.qwen35 import HybridWeights
-
     if isinstance(draft.weights, HybridWeights):
         raise BadInputError(f"draft model {draft.path}: {draft.config.arch} keeps recurrent "
                             f"state that a drafter ring cannot hold; use --drafter mtp "

@@ -23,15 +23,19 @@ import numpy as np
 
 from ...backend.base import Array
 from ...errors import BadInputError
-from ...models.qwen35 import GatedAttentionWeights
+from ...models.batch_io import ForwardBatch
+from ...models.mtp import MtpHead, make_mtp_head
+from ...models.qwen35 import GatedAttentionWeights, HybridWeights, MtpWeights
 from ..area import AreaLayout
-from ..drafting import DraftContext, DraftContexts, count_accepted
+from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
+from ..drafting import count_accepted
 from .base import ContextDrafter
-from .model import MakeContexts
+from .contexts import DraftContext, DraftContexts, make_contexts
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
-    from ...models.mtp import MtpHead
+    from ..drafting import DrafterSpec
+    from ..options import EngineOptions
     from ..runner import Runner
     from ..sequence import SeqRows, Sequence
 
@@ -142,9 +146,9 @@ def ready(ctx: DraftContext, seq: Sequence) -> bool:
 
 
 # ---- construction -------------------------------------------------------------------------
-def find_mtp_head(ckpt: Checkpoint) -> Any | None:
+def find_mtp_head(ckpt: Checkpoint) -> MtpWeights | None:
     """The checkpoint's MTP weights, detected by tensor presence (`mtp.fc.weight`) at load."""
-    return getattr(ckpt.weights, "mtp", None)
+    return ckpt.weights.mtp if isinstance(ckpt.weights, HybridWeights) else None
 
 
 def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
@@ -152,7 +156,7 @@ def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
     return AreaLayout.for_model(ckpt.config, capacity, kv_dtype, num_layers=1)
 
 
-def require_mtp_head(ckpt: Checkpoint) -> Any:
+def require_mtp_head(ckpt: Checkpoint) -> MtpWeights:
     """The MTP weights, or a BadInputError saying why there are none (not a hybrid; a config
     that declares MTP but files without mtp.* tensors; unsupported)."""
     head = find_mtp_head(ckpt)
@@ -164,26 +168,23 @@ def require_mtp_head(ckpt: Checkpoint) -> Any:
     return head
 
 
-def make_mtp_drafter(options: dict[str, Any], ckpt: Checkpoint, runner: Runner, capacity: int,
-                     num_areas: int, *, make_contexts: MakeContexts) -> MtpDrafter:
+def make_mtp_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
+                     runner: Runner, num_lanes: int) -> MtpDrafter:
     """The MTP drafter on the runner's hybrid decoder; the runner then returns every row's
     hidden state (the ring is synced from them)."""
-    from ...models.mtp import make_mtp_head
-
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
     require_mtp_head(ckpt)
-    head = make_mtp_head(runner.decoder)  # type: ignore[arg-type]
-    scales = ring_kv_scales(head, ckpt, options["kv_dtype"])
-    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options["kv_dtype"]), num_areas)
+    head = make_mtp_head(runner.decoder)
+    scales = ring_kv_scales(head, ckpt, options.kv_dtype)
+    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options.kv_dtype), num_areas)
     runner.all_hidden = True
-    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options["draft_tokens"])
+    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options.draft_tokens)
 
 
 def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray:
     """[1, 2] K/V scales of the MTP ring: ones, or for fp8 calibrated like the trunk's."""
     if kv_dtype != "fp8":
         return np.ones((1, 2), np.float32)
-    from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
-
     ids = ckpt.tokenizer.encode(CALIBRATION_TEXT)
     ring = mtp_calibration_ring(head, ids)
     amax = np.abs(head.ops.to_host(ring)).reshape(2, -1).max(axis=-1)[None]
@@ -192,8 +193,6 @@ def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray
 
 def mtp_calibration_ring(head: MtpHead, token_ids: list[int]) -> Array:
     """The MTP layer's f32 K/V over a calibration text (the target run on a fresh state)."""
-    from ...models.decoder import ForwardBatch
-
     ops, cfg, decoder = head.ops, head.config, head.decoder
     rows = len(token_ids)
     pos = np.arange(rows, dtype=np.int64)

@@ -67,6 +67,27 @@ class AffineWeight:
 Linear = DenseWeight | AffineWeight
 
 
+@dataclass(frozen=True, slots=True)
+class LinearParts:
+    """Weights that one fused matmul applies (q|k|v, gate|up), kept apart by a backend that
+    runs them one by one (the CPU: no copy, the bits of separate matmuls). Output: the parts'
+    outputs side by side."""
+
+    parts: tuple[Linear, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+
+# What a fused layer multiplies by: one concatenated weight (CUDA) or its parts (CPU).
+FusedLinear = Linear | LinearParts
+
+
 def unpack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """[..., words] uint32 -> [..., words*32/bits] uint8 codes (LSB first)."""
     per_word = 32 // bits

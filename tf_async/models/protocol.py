@@ -1,0 +1,51 @@
+"""The Decoder protocol: what the engine calls on a model, whatever its architecture.
+
+Implemented by the dense `Decoder` (decoder.py), `HybridDecoder` (qwen35.py: recurrent state
+a lane) and `GraphDecoder` (graph_decoder.py: decode rounds replayed from CUDA graphs). The
+MTP head (mtp.py) drafts from a hybrid's hidden rows with its own one-stream `forward`.
+`loader.make_decoder` picks the implementation by architecture.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..backend.base import Array, Ops
+from ..backend.weights import Linear
+from .batch_io import ForwardBatch
+from .config import ModelConfig
+from .qwen35 import RecurrentStates
+
+
+class EmbedWeights(Protocol):
+    @property
+    def embed(self) -> Linear: ...  # [V, H]: its out_features is the vocabulary bound of ids
+
+
+class DecoderProtocol(Protocol):
+    config: ModelConfig  # of the KV layers (what the arena is sized by)
+
+    @property
+    def ops(self) -> Ops: ...
+
+    @property
+    def weights(self) -> EmbedWeights: ...
+
+    @property
+    def states(self) -> RecurrentStates | None:
+        """Per-lane recurrent state (hybrids), None for attention-only models."""
+        ...
+
+    def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
+                all_hidden: bool = False) -> tuple[Array, Array]:
+        """Run the rows: (logits [m, V] of batch.logit_rows, final-normed hidden [m, H] of
+        those rows, or [rows, H] of every row with `all_hidden`)."""
+        ...
+
+    def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
+        """forward() touching no lane's state (fresh zero state for hybrids): calibration."""
+        ...
+
+    def argmax_of(self, logits: Array) -> Array | None:
+        """The greedy ids of `logits` already computed with them (a replayed graph), else None."""
+        ...
