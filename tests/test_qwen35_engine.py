@@ -176,7 +176,7 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
     _, hidden = decoder.forward(batch, kv, np.ones((cfg.num_layers, 2), np.float32),
                                 states=decoder.new_states(1, False), all_hidden=True)
     ring = ops.alloc_kv(1, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
-    logits, out = head.forward(np.asarray(tokens[1:], np.int64), pos, hidden, ring)
+    logits, out = head.rows(np.asarray(tokens[1:], np.int64), pos, hidden, ring)
     row, prev, outputs, drafts = logits[-1], out[-1:], list(seq.output_ids), []
     for step in range(count):
         token = choose_like_target(seq, row, outputs, num + step)
@@ -184,7 +184,7 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
             break
         drafts.append(token)
         outputs.append(token)
-        logits, prev = head.forward(np.asarray([token], np.int64),
+        logits, prev = head.rows(np.asarray([token], np.int64),
                                     np.asarray([num - 1 + step], np.int64), prev, ring)
         row = logits[-1]
     return tuple(drafts)

@@ -262,14 +262,14 @@ def test_mtp_matches_reference_and_drafts_greedily_like_it(model):
     tokens = np.asarray(PROMPT[1:] + [next_token], np.int64)
     positions = np.arange(len(PROMPT), dtype=np.int64)
     ring = new_ring(decoder)
-    logits, out = head.forward(tokens, positions, hidden, ring)
+    logits, out = head.rows(tokens, positions, hidden, ring)
     want_logits, want_out = ref.reference_mtp(model.cfg, model.effective, hidden.astype(np.float64),
                                               tokens.tolist(), positions, ref.KVCache())
     np.testing.assert_allclose(logits, want_logits, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(out, want_out, rtol=2e-4, atol=2e-4)
     drafts, prev = [int(np.argmax(logits[-1]))], out[-1:]
     for pos in range(len(PROMPT), len(PROMPT) + 3):
-        step_logits, prev = head.forward(np.asarray(drafts[-1:], np.int64),
+        step_logits, prev = head.rows(np.asarray(drafts[-1:], np.int64),
                                          np.asarray([pos], np.int64), prev, ring)
         drafts.append(int(np.argmax(step_logits[-1])))
     assert (next_token, drafts) == ref.reference_mtp_drafts(model.cfg, model.effective, PROMPT, 4)
@@ -281,12 +281,12 @@ def test_mtp_sync_in_pieces_equals_whole(model):
     _, hidden = prompt_hidden(decoder)
     tokens = np.asarray(PROMPT[1:] + [4], np.int64)
     positions = np.arange(len(PROMPT), dtype=np.int64)
-    whole, _ = head.forward(tokens, positions, hidden, new_ring(decoder))
+    whole, _ = head.rows(tokens, positions, hidden, new_ring(decoder))
     ring, pieces = new_ring(decoder), []
     for lo, hi in ((0, 1), (1, 8), (8, 9), (9, len(PROMPT))):
-        pieces.append(head.forward(tokens[lo:hi], positions[lo:hi], hidden[lo:hi], ring)[0])
+        pieces.append(head.rows(tokens[lo:hi], positions[lo:hi], hidden[lo:hi], ring)[0])
     assert np.array_equal(np.concatenate(pieces), whole)
-    last, _ = head.forward(tokens, positions, hidden, new_ring(decoder),
+    last, _ = head.rows(tokens, positions, hidden, new_ring(decoder),
                            logit_rows=np.asarray([len(PROMPT) - 1], np.int64))
     assert np.array_equal(last[0], whole[-1])
 
@@ -423,3 +423,19 @@ def test_bad_configs_are_model_format_errors(tmp_path, change, message):
     with pytest.raises(ModelFormatError, match=message) as info:
         load_checkpoint(path)
     assert "config.json" in str(info.value)
+
+
+def test_the_mtp_head_is_a_decoder(model):
+    """MtpHead implements models/protocol.py's Decoder (the type checker checks the assignment;
+    this checks the protocol's forward gives rows()'s bits)."""
+    from tf_async.models.protocol import DecoderProtocol
+
+    head: DecoderProtocol = MtpHead(model.decoder)
+    assert head.states is None and head.argmax_of(np.zeros((1, 4), np.float32)) is None
+    _, hidden = prompt_hidden(model.decoder)
+    tokens = np.asarray(PROMPT[1:] + [4], np.int64)
+    positions = np.arange(len(PROMPT), dtype=np.int64)
+    via_rows = MtpHead(model.decoder).rows(tokens, positions, hidden, new_ring(model.decoder))
+    batch = MtpHead(model.decoder)._ring_batch(positions, new_ring(model.decoder), tokens, hidden, None)
+    via_forward = head.forward(batch, new_ring(model.decoder), None)
+    assert all(np.array_equal(a, b) for a, b in zip(via_rows, via_forward, strict=True))

@@ -142,6 +142,9 @@ class ForwardBatch:
     logit_rows: Array  # [m] int64, rows whose logits are wanted
     page_size: int
     seq_lanes: Array | None = None  # [seqs] int32, block-table row -> lane (recurrent state slot)
+    # [rows, H] float32 hidden rows fed with the tokens (the MTP head: the target's final-normed
+    # rows h_s); None for decoders that start from the embedding alone
+    hidden_in: Array | None = None
     # The one packed buffer the fields view, with its host original (pack_batch); None for
     # a batch built from separate arrays.
     packed: PackedBatch | None = None

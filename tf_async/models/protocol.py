@@ -1,8 +1,9 @@
 """The Decoder protocol: what the engine calls on a model, whatever its architecture.
 
 Implemented by the dense `Decoder` (decoder.py), `HybridDecoder` (qwen35.py: recurrent state
-a lane) and `GraphDecoder` (graph_decoder.py: decode rounds replayed from CUDA graphs). The
-MTP head (mtp.py) drafts from a hybrid's hidden rows with its own one-stream `forward`.
+a lane), `GraphDecoder` (graph_decoder.py: decode rounds replayed from CUDA graphs) and the
+MTP head (mtp.py: one stream's slots, the target's hidden rows in `batch.hidden_in`, its K/V
+in the drafter's ring passed as `kv`).
 `loader.make_decoder` picks the implementation by architecture.
 """
 

@@ -77,9 +77,9 @@ class MtpDrafter(ContextDrafter):
         """One MTP slot at `pos`; (logits [1, V] and normed output [1, H], on the device)."""
         assert ctx.views is not None
         put = self.ops.asarray
-        logits, out = self.head.forward(put(np.asarray([token], np.int64)),
-                                        put(np.asarray([pos], np.int64)), hidden,
-                                        ctx.views.ring, self.kv_scales)
+        logits, out = self.head.rows(put(np.asarray([token], np.int64)),
+                                     put(np.asarray([pos], np.int64)), hidden,
+                                     ctx.views.ring, self.kv_scales)
         return logits, out
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
@@ -120,7 +120,7 @@ def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Arr
     """The K/V of MTP slots first_pos.. into the ring: the part of MtpHead.forward that later
     slots read (same ops, so the same bits); no FFN and no LM head for committed slots.
     hidden: [len(token_ids), H]."""
-    ops, w, cfg = head.ops, head.weights, head.config
+    ops, w, cfg = head.ops, head.mtp, head.config
     eps, rows = cfg.rms_norm_eps, len(token_ids)
     put = ops.asarray
     pos = np.arange(first_pos, first_pos + rows, dtype=np.int64)
