@@ -35,9 +35,9 @@ def sampling(index: int, seeded: bool, constrained: bool) -> dict:
 
 
 def make_engine(ckpt, **kw) -> Engine:  # noqa: ANN001
-    eng = Engine(ckpt, device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16, **kw)
-    eng.options["ngram_min"] = 1  # random tiny-model text rarely repeats 2-grams
-    return eng
+    # ngram_min 1: random tiny-model text rarely repeats 2-grams
+    return Engine(ckpt, device="cpu", parallel=4, ctx=256, page_size=4, step_tokens=16,
+                  ngram_min=1, **kw)
 
 
 async def test_outputs_match_the_schema(tiny_llama_dir):
