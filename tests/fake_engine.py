@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tf_async.api_types import Completion, Delta, Usage
+from tf_async.api_types import Completion, Delta, SamplingParams, Usage
 from tf_async.errors import BadInputError, QueueFullError, RequestFailedError
 
 PAGE_SIZE = 16
@@ -28,6 +28,7 @@ class FakeTokenizer:
     eos_token_ids = (EOS_ID,)
     vocab_size = 320
     add_bos = False
+    chat_template: str | None = None
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
@@ -69,8 +70,8 @@ def next_token(prompt_ids: list[int], seed: int, pos: int) -> int:
 
 
 class FakeStream:
-    def __init__(self, engine: FakeEngine, prompt_ids: list[int], kwargs: dict[str, Any]):
-        self._engine, self._prompt_ids, self._kwargs = engine, prompt_ids, kwargs
+    def __init__(self, engine: FakeEngine, prompt_ids: list[int], params: SamplingParams):
+        self._engine, self._prompt_ids, self._params = engine, prompt_ids, params
         self._request: _Request | None = None
         self._done = False
 
@@ -81,7 +82,7 @@ class FakeStream:
         if self._done:
             raise StopAsyncIteration
         if self._request is None:
-            self._request = self._engine._submit(self._prompt_ids, self._kwargs)
+            self._request = self._engine._submit(self._prompt_ids, self._params)
         try:
             item = await self._request.queue.get()
         except BaseException:
@@ -129,14 +130,22 @@ class FakeEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def stream(self, prompt: str | list[int], **kwargs: Any) -> FakeStream:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return FakeStream(self, ids, kwargs)
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               **kwargs: Any) -> FakeStream:
+        return FakeStream(self, self.prompt_ids(prompt), params or SamplingParams.of(**kwargs))
 
-    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> FakeStream:
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+             **kwargs: Any) -> FakeStream:
+        return self.stream(self.chat_ids(messages), params, **kwargs)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def chat_ids(self, messages: list[dict[str, Any]], **_: Any) -> list[int]:
+        """Tools and template variables are ignored: the fake template knows none."""
         if not messages:
             raise BadInputError("messages must not be empty", param="messages")
-        return self.stream(self.tokenizer.encode_chat(messages), **kwargs)
+        return self.tokenizer.encode_chat(messages)
 
     async def complete(self, prompt: str | list[int], **kwargs: Any) -> Completion:
         return await _collect(self.stream(prompt, **kwargs))
@@ -157,17 +166,16 @@ class FakeEngine:
                  "tokens": 0 if r is None else len(r.prompt_ids) + len(r.generated)}
                 for i, r in enumerate(self._lanes)]
 
-    def _submit(self, prompt_ids: list[int], kwargs: dict[str, Any]) -> _Request:
-        max_tokens = int(kwargs.get("max_tokens", 256))
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        max_tokens = params.max_tokens
         if not prompt_ids:
             raise BadInputError("prompt must not be empty", param="prompt")
         if len(prompt_ids) + max_tokens > self.ctx:
             raise BadInputError("prompt + max_tokens exceeds the context", param="max_tokens")
         if len(self._waiting) >= self.max_queue:
             raise QueueFullError("queue full")
-        request = _Request(prompt_ids, max_tokens, int(kwargs.get("seed") or 0),
-                           tuple(kwargs.get("stop_token_ids") or ()),
-                           ignore_eos=bool(kwargs.get("ignore_eos")))
+        request = _Request(prompt_ids, max_tokens, params.seed or 0, params.stop_token_ids,
+                           ignore_eos=params.ignore_eos)
         self._waiting.append(request)
         self._wake.set()
         return request

@@ -13,7 +13,7 @@ import pytest
 from tests.engine_helpers import idle_stats
 from tests.tiny import random_hf_weights, tiny_config
 from tf_async import BadInputError, Engine, RequestFailedError
-from tf_async.api import make_params
+from tf_async.api_types import SamplingParams
 from tf_async.engine.area import ALIGN_BYTES, AreaLayout, AreaPool, address, align_up
 from tf_async.engine.build import build_engine
 from tf_async.engine.drafters import contexts as drafter_contexts
@@ -31,7 +31,7 @@ def build(ckpt, drafter: str, **kw):
 
 def open_stream(parts, request_id: int):
     """Admit a stream the way the scheduler does: a lane (its run), then the drafter."""
-    seq = make_sequence(request_id, [5, 6, 7], make_params(max_tokens=8), 0, ())
+    seq = make_sequence(request_id, [5, 6, 7], SamplingParams(max_tokens=8), 0, ())
     seq.lane, _ = parts.lanes.try_open(request_id)
     parts.scheduler.drafter.open(seq)
     return seq
@@ -191,7 +191,7 @@ def test_ngram_proposals_shrink_after_a_rejection_and_grow_back_after_full_accep
     from tf_async.engine.sequence import SeqRows
 
     drafter = NgramDrafter(draft_tokens=8)
-    seq = make_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], make_params(), 0, ())
+    seq = make_sequence(1, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], SamplingParams(), 0, ())
     seq.lane = 0
     drafter.open(seq)
 

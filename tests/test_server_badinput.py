@@ -31,6 +31,11 @@ async def base_url(engine):
         yield url
 
 
+def TOOL(name, parameters=None):  # noqa: N802 - reads like a constructor in the table
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {
+        "type": "object", "properties": {}}}}
+
+
 def chat(**fields):
     return {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, **fields}
 
@@ -76,7 +81,24 @@ JSON_CASES = {
     "max_completion_tokens wrong type": ("/v1/chat/completions",
                                          chat(max_completion_tokens=1.5), 400,
                                          "max_completion_tokens"),
-    "n above one": ("/v1/completions", comp(n=2), 400, "n"),
+    "n above the limit": ("/v1/completions", comp(n=17), 400, "n"),
+    "n zero": ("/v1/chat/completions", chat(n=0), 400, "n"),
+    "best_of not n": ("/v1/completions", comp(n=2, best_of=3), 400, "best_of"),
+    "too many prompts": ("/v1/completions", comp(prompt=["a"] * 33), 400, "prompt"),
+    "logit_bias key not an id": ("/v1/chat/completions", chat(logit_bias={"x": 1}), 400,
+                                 "logit_bias"),
+    "logit_bias value out of range": ("/v1/completions", comp(logit_bias={"5": 101}), 400,
+                                      "logit_bias"),
+    "logit_bias id out of vocab": ("/v1/completions", comp(logit_bias={"99999": 1}), 400,
+                                   "logit_bias"),
+    "logit_bias id out of vocab, n=3": ("/v1/completions",
+                                        comp(logit_bias={"99999": 1}, n=3), 400, "logit_bias"),
+    "min_tokens over max_tokens": ("/v1/completions", comp(min_tokens=9), 400, "min_tokens"),
+    "stream_options without stream": ("/v1/chat/completions",
+                                      chat(stream=False, stream_options={"include_usage": True}),
+                                      400, "stream_options"),
+    "reasoning_effort unknown": ("/v1/chat/completions", chat(reasoning_effort="max"), 400,
+                                 "reasoning_effort"),
     "seed not an int": ("/v1/completions", comp(seed="abc"), 400, "seed"),
     "seed too big": ("/v1/completions", comp(seed=2**70), 400, "seed"),
     "stop wrong type": ("/v1/completions", comp(stop=5), 400, "stop"),
@@ -85,12 +107,36 @@ JSON_CASES = {
     "prompt missing": ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
     "prompt empty": ("/v1/completions", comp(prompt=""), 400, "prompt"),
     "prompt ids out of vocab": ("/v1/completions", comp(prompt=[1, 99999]), 400, "prompt"),
-    "prompt batch": ("/v1/completions", comp(prompt=["a", "b"]), 400, "prompt"),
+    "prompt mixes ids and text": ("/v1/completions", comp(prompt=[1, "b"]), 400, "prompt"),
+    "prompt batch with an empty one": ("/v1/completions", comp(prompt=["a", ""]), 400, "prompt"),
     "echo": ("/v1/completions", comp(echo=True), 400, "echo"),
     "logprobs too many": ("/v1/completions", comp(logprobs=50), 400, "logprobs"),
     "top_logprobs without logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400,
                                       "top_logprobs"),
-    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    "tool without function": ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400,
+                              "tools[0].function"),
+    "tool name with spaces": ("/v1/chat/completions", chat(tools=[TOOL("get weather")]), 400,
+                              "tools[0].function.name"),
+    "tool names repeated": ("/v1/chat/completions", chat(tools=[TOOL("f"), TOOL("f")]), 400,
+                            "tools"),
+    "tool_choice names no tool": ("/v1/chat/completions", chat(tools=[TOOL("f")], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    "tool_choice required without tools": ("/v1/chat/completions",
+                                           chat(tool_choice="required"), 400, "tool_choice"),
+    "tool parameters not a schema": ("/v1/chat/completions", chat(
+        tools=[TOOL("f", {"type": "objekt"})], tool_choice="required"), 400, "tools"),
+    "user content null": ("/v1/chat/completions",
+                          chat(messages=[{"role": "user", "content": None}]), 400,
+                          "messages[0].content"),
+    "response_format bad schema": ("/v1/chat/completions", chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400,
+        "response_format.json_schema.schema"),
+    "response_format without json_schema": ("/v1/chat/completions",
+                                             chat(response_format={"type": "json_schema"}), 400,
+                                             "response_format.json_schema"),
+    "response_format unknown type": ("/v1/chat/completions",
+                                     chat(response_format={"type": "yaml"}), 400,
+                                     "response_format.type"),
     "stream not a bool": ("/v1/chat/completions", chat(stream="yes"), 400, "stream"),
     "unknown model": ("/v1/chat/completions", chat(model="gpt-4"), 404, "model"),
     "model is a path": ("/v1/completions", comp(model="/etc/passwd"), 404, "model"),

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import os
 import random
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .api_types import Completion, Delta, SamplingParams, Usage
+from .api_types import Completion, Delta, GrammarSpec, SamplingParams, Usage
 from .engine.build import EngineParts, build_engine
+from .engine.grammar import Grammars
 from .engine.options import EngineOptions
 from .engine.sched import make_sequence
 from .engine.sequence import TokenEvent
@@ -30,31 +30,16 @@ def _check(cond: bool, message: str, param: str) -> None:
         raise BadInputError(message, param=param)
 
 
-def make_params(*, max_tokens: int | None = 256, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                seed: int | None = None, stop: str | list[str] | tuple[str, ...] | None = None,
-                stop_token_ids: list[int] | None = None, logprobs: int | None = None,
-                ignore_eos: bool = False) -> SamplingParams:
-    """Validate sampling arguments (BadInputError names the parameter)."""
-    max_tokens = 256 if max_tokens is None else max_tokens
-    _check(isinstance(max_tokens, int) and max_tokens >= 1, "max_tokens must be an integer >= 1", "max_tokens")
-    _check(math.isfinite(temperature) and 0.0 <= temperature <= 100.0, "temperature must be in [0, 100]", "temperature")
-    _check(0.0 < top_p <= 1.0, "top_p must be in (0, 1]", "top_p")
-    _check(isinstance(top_k, int) and top_k >= 0, "top_k must be an integer >= 0", "top_k")
-    _check(0.0 <= min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
-    _check(0.0 < repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]", "repetition_penalty")
-    _check(-2.0 <= presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty")
-    _check(-2.0 <= frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
-    _check(seed is None or isinstance(seed, int), "seed must be an integer", "seed")
-    _check(logprobs is None or (isinstance(logprobs, int) and 0 <= logprobs <= 20),
-           "logprobs must be an integer in [0, 20]", "logprobs")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    _check(all(isinstance(s, str) for s in stops) and len(stops) <= 16, "stop must be up to 16 strings", "stop")
-    return SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), float(min_p),
-                          float(repetition_penalty), float(presence_penalty), float(frequency_penalty),
-                          seed, stops, tuple(int(t) for t in stop_token_ids or ()), bool(ignore_eos),
-                          logprobs)
+def check_context(num_prompt_tokens: int, max_tokens: int, ctx: int, *, max_tokens_sent: bool) -> None:
+    """Prompt + max_tokens must fit the context: else a 400 with OpenAI's code
+    `context_length_exceeded` (param `max_tokens` only when the caller chose max_tokens)."""
+    total = num_prompt_tokens + max_tokens
+    if total > ctx:
+        raise BadInputError(
+            f"This model's maximum context length is {ctx} tokens. However, you requested {total} "
+            f"tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the completion). Please "
+            f"reduce the length of the prompt or the completion.",
+            param="max_tokens" if max_tokens_sent else None, code="context_length_exceeded")
 
 
 class RequestStream:
@@ -191,6 +176,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[int, asyncio.Queue[TokenEvent]] = {}  # requests the engine holds
         self._ids = itertools.count(1)
+        self._grammar_compiler: Grammars | None = None
         self.closed = False
         self._refusal: str | None = None  # set by refuse_new(): why new requests fail
         self._idle = asyncio.Event()  # set whenever the engine holds no request
@@ -257,16 +243,27 @@ class Engine:
         return self.parts
 
     # ---- requests -----------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], *, cache_salt: str | None = None,
-               **kwargs: Any) -> RequestStream:
-        """`cache_salt`: streams share cached prompt pages only with streams of the same salt."""
-        return RequestStream(self, self._prompt_ids(prompt), self._params(kwargs),
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               cache_salt: str | None = None, **kwargs: Any) -> RequestStream:
+        """Stream a completion of `prompt`: pass `params`, or the sampling keyword arguments
+        (SamplingParams.of), not both. `cache_salt`: streams share cached prompt pages only
+        with streams of the same salt."""
+        return RequestStream(self, self.prompt_ids(prompt), self._params(params, kwargs),
                              _salt(cache_salt))
 
-    def chat(self, messages: list[dict[str, Any]], *, cache_salt: str | None = None,
-             **kwargs: Any) -> RequestStream:
-        ids = self.tokenizer.encode_chat(messages)
-        return RequestStream(self, ids, self._params(kwargs), _salt(cache_salt))
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             cache_salt: str | None = None, **kwargs: Any) -> RequestStream:
+        return RequestStream(self, self.chat_ids(messages), self._params(params, kwargs),
+                             _salt(cache_salt))
+
+    def chat_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Prompt ids of a chat through the model's chat template; `tools` (OpenAI function
+        tools) and `template_kwargs` (e.g. enable_thinking) reach the template."""
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        return list(self.tokenizer.encode_chat(messages, **extra))
 
     async def complete(self, prompt: str | list[int], **kwargs: Any) -> Completion:
         return await _collect(self.stream(prompt, **kwargs))
@@ -302,7 +299,8 @@ class Engine:
                 self.parts.core.cancel(request_id)
             await self.wait_idle()
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The ids a completion of `prompt` starts from (text encoded, ids checked)."""
         if isinstance(prompt, str):
             _check(len(prompt) > 0, "prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.add_bos)
@@ -312,20 +310,33 @@ class Engine:
                f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return list(prompt)
 
-    def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
-        try:
-            return make_params(**kwargs)
-        except TypeError as exc:  # an unknown keyword argument
-            raise BadInputError(f"bad argument: {exc}") from exc
+    @property
+    def _grammars(self) -> Grammars:
+        """The grammar compiler of this engine's tokenizer (made on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = Grammars(self.tokenizer)
+        return self._grammar_compiler
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Raise BadInputError naming the problem when `spec` does not compile."""
+        self._grammars.mask_for(spec)
+
+    def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
+        if params is None:
+            return SamplingParams.of(**kwargs)
+        _check(not kwargs, "pass either params or sampling keyword arguments, not both", "params")
+        return params
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
                 ) -> tuple[int, asyncio.Queue[TokenEvent]]:
         parts = self._parts
         if self._refusal is not None:
             raise ShuttingDownError(self._refusal)
-        total = len(prompt_ids) + params.max_tokens
-        _check(total <= self.ctx, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-               f"= {total} exceeds the context of {self.ctx} tokens", "max_tokens")
+        check_context(len(prompt_ids), params.max_tokens, self.ctx, max_tokens_sent=True)
+        vocab = parts.vocab_size
+        _check(all(t < vocab for t, _ in params.logit_bias), f"logit_bias token ids must be below {vocab}",
+               "logit_bias")
+        mask = self._grammars.mask_for(params.grammar) if params.grammar is not None else None
         if len(self._queues) >= parts.num_lanes + self.max_queue:
             raise QueueFullError(f"request queue is full ({self.max_queue} waiting)")
         request_id = next(self._ids)
@@ -333,7 +344,7 @@ class Engine:
         self._queues[request_id] = queue
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         parts.core.submit(make_sequence(request_id, prompt_ids, params, seed, parts.eos_ids,
-                                        cache_salt))
+                                        cache_salt, mask))
         return request_id, queue
 
     def _cancel(self, request_id: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..api_types import SamplingParams
 from ..backend.base import DeviceSampler, Ops, device_sampler
-from .sampling import apply_penalties, sample_token
+from .sampling import adjust_logits, sample_token
 from .sequence import TokenChoice
 
 if TYPE_CHECKING:
@@ -26,12 +26,11 @@ _MASK64 = (1 << 64) - 1
 
 def token_choice_at(seq: Sequence, pos: int) -> TokenChoice | None:
     """The device choice of seq's token at position `pos`, or None when the request needs the
-    host: logprobs, any penalty or min_p (apply_penalties / sample_token). The parameters are
+    host: logprobs, any penalty, logit_bias, min_tokens or min_p (adjust_logits / sample_token). The parameters are
     static per request, so a request takes the same path every round (and drafted == plain
     holds on either path)."""
     p = seq.params
-    if (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0 or p.min_p > 0.0):
+    if p.needs_host:
         return None
     # sample_token's greedy test; top_k == 1 with t > 0 would sample among exact ties on the
     # device, so it is sent as greedy too (argmax, lowest id)
@@ -75,7 +74,7 @@ def choice_arrays(ops: Ops, choices: list[TokenChoice]) -> tuple[Any, ...]:
 
 def choose_on_host(logits: np.ndarray, choice: TokenChoice) -> int:
     """The token the scheduler's host sampler picks for a row marked with `choice` (a request
-    with choices has no penalty, min_p or logprobs: apply_penalties leaves its logits as they
+    with choices has no penalty, min_p or logprobs: adjust_logits leaves its logits as they
     are, and sample_token sees the choice's own parameters, seed and position)."""
     params = SamplingParams(temperature=choice.temperature, top_k=choice.top_k, top_p=choice.top_p)
     return sample_token(logits, params, choice.seed, choice.position)
@@ -83,7 +82,7 @@ def choose_on_host(logits: np.ndarray, choice: TokenChoice) -> int:
 
 def choose_like_target(seq: Sequence, logits: np.ndarray, outputs: list[int], pos: int) -> int:
     """The token the target's host sampler picks at `pos` if its logits were these [V]."""
-    x = apply_penalties(logits, seq.params, seq.prompt_ids, outputs)
+    x = adjust_logits(logits, seq.params, seq.prompt_ids, outputs, seq.stop_ids)
     return sample_token(x, seq.params, seq.seed, pos)
 
 

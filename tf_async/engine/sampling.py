@@ -28,10 +28,11 @@ def top_logprobs(logits: np.ndarray, chosen: int, top_n: int) -> dict[int, float
     return out
 
 
-def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> np.ndarray:
-    if (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0):
+def adjust_logits(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int],
+                  output_ids: list[int], stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
+    """The logits [V] the host sampler draws from: penalties, logit_bias, and the stop ids
+    masked while fewer than min_tokens are out. A function of this row's request only."""
+    if not params.needs_host:
         return logits
     x = logits.astype(np.float32).copy()
     if params.repetition_penalty != 1.0:
@@ -43,6 +44,10 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list
         ids = np.fromiter(counts.keys(), dtype=np.int64)
         freq = np.fromiter(counts.values(), dtype=np.float32)
         x[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    if len(output_ids) < params.min_tokens and stop_ids:
+        x[np.fromiter(stop_ids, dtype=np.int64)] = -np.inf
     return x
 
 

@@ -16,9 +16,10 @@ from collections import deque
 from ..api_types import SamplingParams
 from .choice import token_choices
 from .drafting import Drafter, zero_stats
+from .grammar import TokenMask
 from .lanes import Lanes
 from .prefix import StateSlots, next_key, root_key
-from .sampling import apply_penalties, sample_token, top_logprobs
+from .sampling import adjust_logits, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
 
@@ -348,6 +349,8 @@ class Scheduler:
                 logprobs.append(top_logprobs(logits[i], token, seq.params.logprobs))
             seq.output_ids.append(token)
             new_ids.append(token)
+            if seq.mask is not None:  # the next row's mask follows this token
+                seq.mask.consume(token)
             finish = self._finish_reason(seq, token)
             if finish or (not stepped and (i >= len(rows.draft_ids) or rows.draft_ids[i] != token)):
                 break
@@ -375,7 +378,9 @@ class Scheduler:
         self._lanes_to_restore.add(seq.lane)
 
     def _sample(self, seq: Sequence, row_logits) -> int:
-        x = apply_penalties(row_logits, seq.params, seq.prompt_ids, seq.output_ids)
+        x = adjust_logits(row_logits, seq.params, seq.prompt_ids, seq.output_ids, seq.stop_ids)
+        if seq.mask is not None:
+            x = seq.mask.apply(x)
         return sample_token(x, seq.params, seq.seed, seq.num_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -400,9 +405,10 @@ class Scheduler:
 
 
 def make_sequence(request_id: int, prompt_ids: list[int], params: SamplingParams, seed: int,
-                  eos_ids: tuple[int, ...], cache_salt: str | None = None) -> Sequence:
+                  eos_ids: tuple[int, ...], cache_salt: str | None = None,
+                  mask: TokenMask | None = None) -> Sequence:
     stop = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop |= set(eos_ids)
     return Sequence(request_id, list(prompt_ids), params, seed, frozenset(stop),
-                    cache_salt=cache_salt)
+                    cache_salt=cache_salt, mask=mask)

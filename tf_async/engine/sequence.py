@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..api_types import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import TokenMask
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
     num_published: int = 0  # pages of the current run offered to the prefix cache
     num_cached_tokens: int = 0  # prompt rows taken from the prefix cache at admission
+    mask: TokenMask | None = None  # the grammar state of a constrained request (its outputs so far)
 
     @property
     def num_tokens(self) -> int:

@@ -8,15 +8,22 @@ Every error leaves as the OpenAI error JSON; bad input is a 4xx, never a 500.
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from ..api import check_context
+from ..api_types import GrammarSpec, SamplingParams
 from ..errors import BadInputError, QueueFullError
+from .choices import ChoiceStreams
 from .metrics import CONTENT_TYPE
 from .protocol import JsonErrorRunner
+from .reasoning import ReplyMode, reply_mode
+from .responses import ResponseBuilder, ResponsesRequest, respond_responses, to_chat_request
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -26,8 +33,9 @@ from .schemas import (
     TokenizeRequest,
     message_dicts,
 )
-from .sse import ChatFormat, CompletionFormat, stream_sse
+from .sse import ChatFormat, CompletionFormat, respond
 from .state import SERVER_KEY, WS_HEARTBEAT_S, HttpError, Server
+from .tools import ToolMode, build_tool_prompt, check_tools, tag_terms, tool_grammar
 from .ws import chat_websocket
 
 log = logging.getLogger("tf_async.server")
@@ -79,58 +87,106 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 class Routes(Server):
     """The routes of one app, on its Server state."""
 
+    def choice_streams(self, prompts: list[list[int]], params: SamplingParams, n: int) -> ChoiceStreams:
+        """n engine streams per prompt; choice i of a prompt draws from for_choice(i)."""
+        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return ChoiceStreams([self.engine.stream(ids, params.for_choice(i, base_seed))
+                              for ids in prompts for i in range(n)], n)
+
     # ------------------------------------------------------------ generation routes
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tracker = self.metrics.tracker("completions")
         with tracker.guard():
             req = await self.read_json(request, CompletionRequest)
-            self.check_model(req.model)
-            prompt = req.prompt_value()
+            model = self.served_name(req.model)
+            include_usage = req.include_usage()
+            req.check_best_of()
+            prompts = [self.engine.prompt_ids(prompt) for prompt in req.prompt_values()]
             max_tokens = self.max_tokens_for(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-            kwargs = req.engine_kwargs(max_tokens, _engine_logprobs(req.logprobs))
-            fmt = CompletionFormat(self.model_name, req.logprobs, self.decode_token)
-            if req.stream:
-                deltas = self.engine.stream(prompt, **kwargs)
-        if req.stream:
-            return await stream_sse(request, deltas, fmt, tracker, _include_usage(req))
-        with tracker.guard():
-            completion = await self.engine.complete(prompt, **kwargs)
-        tracker.finish(completion.finish_reason, completion.usage)
-        return json_response(fmt.full(completion))
+            for ids in prompts:
+                check_context(len(ids), max_tokens, int(self.engine.ctx),
+                              max_tokens_sent=req.max_tokens is not None)
+            params = req.sampling_params(max_tokens, _engine_logprobs(req.logprobs))
+            fmt = CompletionFormat(model, req.logprobs, self.decode_token, self.fingerprint)
+            choices = self.choice_streams(prompts, params, req.n)
+        return await respond(request, choices, fmt, tracker, stream=req.stream,
+                             include_usage=include_usage)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         tracker = self.metrics.tracker("chat")
         with tracker.guard():
             req = await self.read_json(request, ChatRequest)
-            self.check_model(req.model)
-            messages = req.message_dicts()
-            requested = req.requested_max_tokens()
-            default = self.chat_default_max_tokens(messages) if requested is None else 0
-            num_logprobs = req.num_logprobs()
-            kwargs = req.engine_kwargs(self.max_tokens_for(requested, default),
-                                       _engine_logprobs(num_logprobs))
-            fmt = ChatFormat(self.model_name, num_logprobs, self.decode_token)
-            if req.stream:
-                deltas = self.engine.chat(messages, **kwargs)
-        if req.stream:
-            return await stream_sse(request, deltas, fmt, tracker, _include_usage(req))
+            model = self.served_name(req.model)
+            include_usage = req.include_usage()
+            choices, replies, num_logprobs = self.chat_choices(req)
+            fmt = ChatFormat(model, num_logprobs, self.decode_token, self.fingerprint, replies)
+        return await respond(request, choices, fmt, tracker, stream=req.stream,
+                             include_usage=include_usage)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        tracker = self.metrics.tracker("responses")
         with tracker.guard():
-            completion = await self.engine.chat_complete(messages, **kwargs)
-        tracker.finish(completion.finish_reason, completion.usage)
-        return json_response(fmt.full(completion))
+            req = await self.read_json(request, ResponsesRequest)
+            model = self.served_name(req.model)
+            choices, replies, _ = self.chat_choices(to_chat_request(req))
+            builder = ResponseBuilder(model, req, replies)
+        return await respond_responses(request, choices, builder, tracker, stream=req.stream)
+
+    def chat_choices(self, req: ChatRequest) -> tuple[ChoiceStreams, ReplyMode | None, int | None]:
+        """The engine streams of a chat request's choices, how its replies are read, and
+        the number of log-probs each token carries."""
+        ids, replies, grammar = self.chat_prompt(req)
+        if grammar is not None:  # a bad schema is named before any length check
+            self.engine.check_grammar(grammar)
+        requested = req.requested_max_tokens()
+        ctx = int(self.engine.ctx)
+        max_tokens = self.max_tokens_for(requested, max(1, ctx - len(ids)))
+        check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
+        num_logprobs = req.num_logprobs()
+        params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
+        return self.choice_streams([ids], params, req.n), replies, num_logprobs
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ReplyMode | None, GrammarSpec | None]:
+        """Prompt ids of a chat request, how its replies are read (reasoning, tool calls),
+        and the grammar they must match (forced tool calls, else response_format)."""
+        messages = req.message_dicts()
+        tools = req.tool_dicts()
+        grammar = req.response_format.grammar() if req.response_format is not None else None
+        forced = req.forced_tool() if tools else None
+        template_kwargs = req.template_kwargs()
+        if grammar is not None or forced is not None:  # a constrained reply has no thinking
+            template_kwargs.setdefault("enable_thinking", False)
+        tokenizer = self.engine.tokenizer
+        if not tools and not _has_tool_turns(messages):
+            ids = self.engine.chat_ids(messages, template_kwargs=template_kwargs)
+            return ids, self._reply_mode(ids, None), grammar
+        check_tools(tools, forced)
+        prompt = build_tool_prompt(messages, tools, forced, tokenizer.chat_template)
+        ids = self.engine.chat_ids(prompt.messages, tools=prompt.tools, template_kwargs=template_kwargs)
+        if prompt.reply_prefix:
+            ids += tokenizer.encode(prompt.reply_prefix)
+        parallel = req.parallel_tool_calls is not False
+        tool_grammar_spec = tool_grammar(tools, forced, parallel=parallel, fmt=prompt.fmt,
+                                         tags=tag_terms(tokenizer.encode, tokenizer.is_special))
+        mode = ToolMode(parallel, prompt.reply_prefix) if tools else None
+        return ids, self._reply_mode(ids, mode), tool_grammar_spec or grammar
+
+    def _reply_mode(self, ids: list[int], tools: ToolMode | None) -> ReplyMode | None:
+        tokenizer = self.engine.tokenizer
+        return reply_mode(tokenizer.chat_template, tokenizer.decode(ids[-16:]), tools)
 
     # ------------------------------------------------------------ other routes
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list",
+                              "data": [self._model_card(name) for name in self.model_names]})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.check_model(request.match_info["model"])
-        return json_response(self._model_card())
+        return json_response(self._model_card(self.served_name(request.match_info["model"])))
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tf_async",
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tf_async",
                 "max_model_len": int(self.engine.ctx)}
 
     async def health(self, request: web.Request) -> web.Response:
@@ -176,8 +232,8 @@ class Routes(Server):
                                 headers={"Content-Type": "image/svg+xml"})
 
 
-def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
 def _engine_logprobs(num_logprobs: int | None) -> int | None:
@@ -206,9 +262,19 @@ async def cors_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     if origin is not None and request.method == "OPTIONS":
         return web.Response(status=204, headers=_cors_headers(origin) | {
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Allow-Headers": _allowed_headers(request),
             "Access-Control-Max-Age": "600"})
     return await handler(request)
+
+
+def _allowed_headers(request: web.Request) -> str:
+    """The preflight allows the headers it asks for (SDKs send x-stainless-*, openai-*)."""
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    names = ["Authorization", "Content-Type"] + [h.strip() for h in asked.split(",") if h.strip()]
+    return ", ".join(dict.fromkeys(name for name in names if _HEADER_NAME.fullmatch(name)))
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
 def _cors_headers(origin: str) -> dict[str, str]:
@@ -227,10 +293,11 @@ async def _close_websockets(app: web.Application) -> None:
 
 
 def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | None = None,
-               model_name: str | None = None,
+               model_name: str | list[str] | tuple[str, ...] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                ws_heartbeat_s: float = WS_HEARTBEAT_S) -> web.Application:
-    """The aiohttp application serving `engine` (a started `tf_async.Engine`)."""
+    """The aiohttp application serving `engine` (a started `tf_async.Engine`); `model_name`:
+    the name(s) it answers to (the first is the one /v1/models lists first)."""
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[error_middleware, cors_middleware, auth_middleware])
     server = app[SERVER_KEY] = Routes(engine, api_key=api_key, cors_origin=cors_origin,
@@ -238,6 +305,7 @@ def create_app(engine: Any, *, api_key: str | None = None, cors_origin: str | No
                                       ws_heartbeat_s=ws_heartbeat_s)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/v1/responses", server.responses)
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)

@@ -105,6 +105,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
                         help="on SIGINT/SIGTERM, let running streams finish for up to this long, "
                              "then cancel the rest (a second Ctrl-C stops at once)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="name(s) the API answers to (aliases, e.g. gpt-4o-mini); the "
+                             "first is listed first; default: the model's own name")
 
 
 def engine_from_args(args: argparse.Namespace) -> Any:
@@ -173,7 +176,7 @@ async def _serve(args: argparse.Namespace) -> None:
         if args.warmup:
             await engine.warm_up()
         app = create_app(engine, api_key=args.api_key, cors_origin=args.cors_origin,
-                         max_body_bytes=args.max_body_bytes)
+                         model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
         runner, port = await start_server(app, args.host, args.port)
         signals = StopSignals(asyncio.get_running_loop())
         print(f"tf-async: serving {engine.model_name} on http://{args.host}:{port} "

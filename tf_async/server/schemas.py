@@ -7,17 +7,25 @@ turns into a 400 with the OpenAI error JSON. Response structs use OpenAI's field
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from ..api_types import Completion, Delta, Usage
+from ..api_types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    GrammarSpec,
+    SamplingParams,
+    Usage,
+)
 from ..errors import BadInputError
 
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n per prompt
+MAX_PROMPTS = 32  # prompts in one /v1/completions request (times n: choices in all)
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -30,14 +38,32 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Meta(min_length=1)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes once at the end
 
 
-class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by completions, chat completions and websocket chats."""
+class IgnoredOpenAIFields(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI request fields that change nothing here: accepted and ignored (docs/OPENAI.md
+    lists them). Fields OpenAI does not define still get a 400."""
+
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+
+class _Sampling(IgnoredOpenAIFields, kw_only=True):
+    """Fields shared by completions, chat completions and websocket chats (wire names and
+    OpenAI's ranges; `sampling_params` maps them onto the engine's SamplingParams)."""
 
     model: str | None = None
     max_tokens: MaxTokens | None = None
@@ -52,48 +78,71 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Meta(ge=1, le=1)] = 1  # one choice per request
-    user: str | None = None
-    logit_bias: Annotated[dict[str, float], Meta(max_length=0)] | None = None
+    n: NumChoices = 1
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def engine_kwargs(self, max_tokens: int, num_logprobs: int | None) -> dict[str, Any]:
-        """Keyword arguments for Engine.stream / chat / complete."""
-        kwargs: dict[str, Any] = dict(
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
+        """The one mapping from the request schema onto the engine's SamplingParams."""
+        return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=max(self.top_k, 0), min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=list(self.stop_tuple()),
-            stop_token_ids=list(self.stop_token_ids or ()), logprobs=num_logprobs,
-        )
-        if self.ignore_eos:  # only passed when asked: an extension the engine may lack
-            kwargs["ignore_eos"] = True
-        return kwargs
+            top_k=max(self.top_k, 0), min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop_tuple(), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=num_logprobs,
+            logit_bias=_bias_pairs(self.logit_bias or {}), min_tokens=self.min_tokens, grammar=grammar)
 
 
-class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+class _Streamed(_Sampling, kw_only=True):
+    """The sampling fields, and streaming (HTTP routes)."""
+
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def include_usage(self) -> bool:
+        """stream_options is only for streams (OpenAI answers 400 otherwise)."""
+        if self.stream_options is not None and not self.stream:
+            raise BadInputError("stream_options is only allowed when stream is true",
+                                param="stream_options")
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _bias_pairs(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(sorted((int(token), value) for token, value in bias.items()))
+    except ValueError:
+        raise BadInputError("logit_bias keys must be token ids (decimal strings)",
+                            param="logit_bias") from None
+
+
+class CompletionRequest(_Streamed, kw_only=True):
+    prompt: str | Annotated[list[int | str | list[int]], Meta(min_length=1, max_length=16384)]
     logprobs: NumLogprobs | None = None
     echo: Literal[False] = False
-    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None
+    best_of: NumChoices | None = None
     suffix: None = None
 
-    def prompt_value(self) -> str | list[int]:
-        """The one prompt as text or token ids (batched prompts are refused)."""
+    def prompt_values(self) -> list[str | list[int]]:
+        """The prompts: one string, one list of ids, or a list of strings / of id lists."""
         if isinstance(self.prompt, str):
-            return self.prompt
+            return [self.prompt]
         if all(isinstance(tok, int) for tok in self.prompt):
-            return [int(tok) for tok in self.prompt]
-        if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        raise BadInputError("prompt must be one string or one list of token ids "
-                            "(batched prompts are not supported)", param="prompt")
+            return [[int(tok) for tok in self.prompt]]  # type: ignore[arg-type]
+        if any(isinstance(item, int) for item in self.prompt):
+            raise BadInputError("prompt mixes token ids with strings or lists", param="prompt")
+        if len(self.prompt) > MAX_PROMPTS:
+            raise BadInputError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def check_best_of(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadInputError("best_of must equal n (no server-side ranking)", param="best_of")
 
 
 class TextPart(Struct, forbid_unknown_fields=True):
@@ -101,38 +150,141 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
-class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(
+
+class ToolCallIn(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+    reasoning_content: str | None = None  # assistant messages (not fed back)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(
             part.text for part in self.content)
-        return {"role": self.role, "content": text}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message for the chat template: role and text, plus tool calls / call id."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [msgspec.to_builtins(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
-class ResponseFormat(Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
+class FunctionDef(Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (object)
+    strict: bool | None = None
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ToolDef(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # always strict here: the grammar enforces the schema
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """json_object: any JSON object; json_schema: its schema (constrained decoding)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_schema", '{"type": "object"}', "response_format")
+        if self.json_schema is None:
+            raise BadInputError("response_format json_schema needs `json_schema`",
+                                param="response_format.json_schema")
+        schema = self.json_schema.schema if self.json_schema.schema is not None else {}
+        return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+
+
+class ChatRequest(_Streamed, kw_only=True):
     messages: Messages
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any], Meta(max_length=0)] | None = None  # tool calling: not supported
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ToolDef], Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template: chat_template_kwargs, and reasoning_effort (as
+        itself, and "none" as enable_thinking false unless that is given)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+        if reserved:
+            raise BadInputError(f"chat_template_kwargs may not set {sorted(reserved)[0]}",
+                                param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+            if self.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
+        return kwargs
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        for i, message in enumerate(self.messages):
+            if message.content is None and not message.tool_calls:
+                raise BadInputError("content is required (null only on assistant messages with "
+                                    "tool_calls)", param=f"messages[{i}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise BadInputError("only assistant messages have tool_calls",
+                                    param=f"messages[{i}].tool_calls")
         return [message.as_dict() for message in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools in play (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            if self.tool_choice not in (None, "none", "auto"):
+                raise BadInputError("tool_choice needs tools", param="tool_choice")
+            return []
+        return [msgspec.to_builtins(tool) for tool in self.tools]
+
+    def forced_tool(self) -> str | None:
+        """None (the model decides), "required", or the name of the function to call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -172,17 +324,23 @@ class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
 class UsageOut(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     drafted_tokens: int = 0  # extension
     accepted_tokens: int = 0  # extension
 
     @classmethod
     def of(cls, usage: Usage) -> UsageOut:
         return cls(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                   usage.drafted_tokens, usage.accepted_tokens)
+                   PromptTokensDetails(usage.cached_tokens), usage.drafted_tokens,
+                   usage.accepted_tokens)
 
 
 class CompletionLogprobs(Struct):
@@ -204,6 +362,7 @@ class CompletionResponse(Struct, omit_defaults=True):
     object: str  # "text_completion" (required: omit_defaults would drop a default)
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: UsageOut | None = None
 
@@ -225,16 +384,29 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(Struct):
-    content: str
-    role: str = "assistant"
+class FunctionOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    type: str  # "function"
+    function: FunctionOut
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    content: str | None
+    role: str  # "assistant" (required: omit_defaults would drop a default)
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
-    logprobs: ChatLogprobs | None
     finish_reason: str
+    logprobs: ChatLogprobs | None
 
 
 class ChatResponse(Struct):
@@ -242,13 +414,28 @@ class ChatResponse(Struct):
     object: str  # "chat.completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageOut
+
+
+class ChunkFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(Struct, omit_defaults=True):
+    index: int
+    function: ChunkFunction
+    id: str | None = None
+    type: str | None = None
 
 
 class ChunkDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -263,6 +450,7 @@ class ChatChunk(Struct, omit_defaults=True):
     object: str  # "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: UsageOut | None = None
 
@@ -302,14 +490,14 @@ def decode(body: bytes, kind: Any) -> Any:
 def error_param(message: str) -> str | None:
     """The field a msgspec error message points at (`$.messages[0].role` -> `messages[0].role`)."""
     path_match = _PATH_RE.search(message)
-    path = path_match.group("path") if path_match else ""
+    path = path_match.group("path").replace("[...]", "") if path_match else ""  # a map's key
     unknown = _UNKNOWN_RE.search(message)
     if unknown:
         path = f"{path}.{unknown.group('name')}" if path else unknown.group("name")
     return path or None
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [message.as_dict() for message in messages]
 
 
@@ -350,7 +538,3 @@ def chat_logprobs(
                 for t, lp in sorted_top(entry, limit)]
         content.append(TokenLogprob(token, entry.get(tok, float("-inf")), list(token.encode()), tops))
     return ChatLogprobs(content)
-
-
-def usage_of(item: Delta | Completion) -> UsageOut | None:
-    return UsageOut.of(item.usage) if item.usage is not None else None

@@ -3,7 +3,9 @@ request checks the HTTP routes (app.py) and the websocket (ws.py) share."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import importlib.metadata
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,12 +33,15 @@ class Server:
     """The state behind the routes: engine, settings and metrics of one app."""
 
     def __init__(self, engine: Any, *, api_key: str | None, cors_origin: str | None,
-                 model_name: str | None, max_body_bytes: int,
+                 model_name: str | list[str] | tuple[str, ...] | None, max_body_bytes: int,
                  ws_heartbeat_s: float = WS_HEARTBEAT_S):
         self.engine = engine
         self.api_key = api_key
         self.cors_origin = cors_origin
-        self.model_name = model_name or getattr(engine, "model_name", None) or "tf-async"
+        names = [model_name] if isinstance(model_name, str) else list(model_name or ())
+        self.model_names = tuple(names) or (getattr(engine, "model_name", None) or "tf-async",)
+        self.model_name = self.model_names[0]
+        self.fingerprint = _fingerprint(str(getattr(engine, "model_name", self.model_name)))
         self.max_body_bytes = max_body_bytes
         self.ws_heartbeat_s = ws_heartbeat_s
         self.metrics = ServerMetrics(engine.stats)
@@ -54,10 +59,19 @@ class Server:
         return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def check_model(self, name: str | None) -> None:
-        """`model` is only ever compared with the served name, never used as a path."""
-        if name and name != self.model_name:
-            raise HttpError(404, f"The model `{name}` does not exist; this server serves "
-                            f"`{self.model_name}`.", code="model_not_found", param="model")
+        """`model` is only ever compared with the served names, never used as a path."""
+        self.served_name(name)
+
+    def served_name(self, name: str | None) -> str:
+        """The served name (or alias, --served-model-name) a request asked for; the first
+        name when it gave none."""
+        if not name:
+            return self.model_name
+        if name not in self.model_names:
+            served = ", ".join(f"`{n}`" for n in self.model_names)
+            raise HttpError(404, f"The model `{name}` does not exist; this server serves {served}.",
+                            code="model_not_found", param="model")
+        return name
 
     def check_origin(self, request: web.Request) -> None:
         """Refuse cross-site websocket upgrades unless the origin is the allowed one."""
@@ -95,16 +109,12 @@ class Server:
                                 param="max_tokens", code="max_tokens_too_large")
         return requested if requested is not None else default
 
-    def chat_default_max_tokens(self, messages: list[dict[str, str]]) -> int:
+    def chat_default_max_tokens(self, messages: list[dict[str, Any]]) -> int:
         """Chats default to what is left of the context after the prompt."""
         return max(1, int(self.engine.ctx) - len(self.chat_prompt_ids(messages)))
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if hasattr(tokenizer, "encode_chat"):  # what Engine.chat uses (special tokens included)
-            return list(tokenizer.encode_chat(messages))
-        return list(tokenizer.encode(tokenizer.apply_chat_template(messages,
-                                                                   add_generation_prompt=True)))
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(self.engine.chat_ids(messages))
 
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -112,6 +122,16 @@ class Server:
 
 def _client_gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
+
+
+def _fingerprint(model_name: str) -> str:
+    """`system_fingerprint`: changes when the served model or the tf_async version does."""
+    try:
+        version = importlib.metadata.version("tf_async")
+    except importlib.metadata.PackageNotFoundError:
+        version = "dev"
+    digest = hashlib.sha256(f"{model_name}|{version}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
 
 
 SERVER_KEY = web.AppKey("tf_async_server", Server)

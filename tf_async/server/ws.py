@@ -130,9 +130,9 @@ class ChatSocket:
         messages = [message.as_dict() for message in msg.messages]
         requested = msg.max_completion_tokens or msg.max_tokens
         default = server.chat_default_max_tokens(messages) if requested is None else 0
-        kwargs = msg.engine_kwargs(server.max_tokens_for(requested, default), None)
+        params = msg.sampling_params(server.max_tokens_for(requested, default), None)
         last = Delta("", [], "stop")
-        async with contextlib.aclosing(server.engine.chat(messages, **kwargs)) as deltas:
+        async with contextlib.aclosing(server.engine.chat(messages, params)) as deltas:
             async for delta in deltas:
                 tracker.on_tokens(len(delta.token_ids))
                 if delta.text:
