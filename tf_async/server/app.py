@@ -87,10 +87,13 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 class Routes(Server):
     """The routes of one app, on its Server state."""
 
-    def choice_streams(self, prompts: list[list[int]], params: SamplingParams, n: int) -> ChoiceStreams:
-        """n engine streams per prompt; choice i of a prompt draws from for_choice(i)."""
+    def choice_streams(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                       cache_salt: str | None = None) -> ChoiceStreams:
+        """n engine streams per prompt; choice i of a prompt draws from for_choice(i);
+        `cache_salt` (vLLM's field): prompt pages are shared only with the same salt."""
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return ChoiceStreams([self.engine.stream(ids, params.for_choice(i, base_seed))
+        return ChoiceStreams([self.engine.stream(ids, params.for_choice(i, base_seed),
+                                                 cache_salt=cache_salt)
                               for ids in prompts for i in range(n)], n)
 
     # ------------------------------------------------------------ generation routes
@@ -109,7 +112,7 @@ class Routes(Server):
                               max_tokens_sent=req.max_tokens is not None)
             params = req.sampling_params(max_tokens, _engine_logprobs(req.logprobs))
             fmt = CompletionFormat(model, req.logprobs, self.decode_token, self.fingerprint)
-            choices = self.choice_streams(prompts, params, req.n)
+            choices = self.choice_streams(prompts, params, req.n, req.cache_salt)
         return await respond(request, choices, fmt, tracker, stream=req.stream,
                              include_usage=include_usage)
 
@@ -145,7 +148,7 @@ class Routes(Server):
         check_context(len(ids), max_tokens, ctx, max_tokens_sent=requested is not None)
         num_logprobs = req.num_logprobs()
         params = req.sampling_params(max_tokens, _engine_logprobs(num_logprobs), grammar)
-        return self.choice_streams([ids], params, req.n), replies, num_logprobs
+        return self.choice_streams([ids], params, req.n, req.cache_salt), replies, num_logprobs
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], ReplyMode | None, GrammarSpec | None]:
         """Prompt ids of a chat request, how its replies are read (reasoning, tool calls),

@@ -31,11 +31,21 @@ _ENGINE_GAUGES = (
     ("tf_requests_running", "running", "Requests running in the engine."),
     ("tf_draft_areas_in_use", "draft_areas_in_use", "Drafter areas held by open lanes' runs."),
     ("tf_draft_area_bytes_in_use", "draft_area_bytes_in_use", "Bytes of drafter areas in use."),
+    ("tf_prefix_cache_pages", "cached_pages",
+     "KV pages in the prefix cache (held by runs or idle); not lane pages."),
+    ("tf_prefix_cache_pages_idle", "cached_pages_idle",
+     "Cached KV pages no run holds (evicted, least recently used first, when pages run short)."),
 )
 # (metric name without _total, engine.stats() key, help): counters the engine keeps
 _ENGINE_COUNTERS = (
     ("tf_preemptions", "preemptions",
      "Streams preempted out of KV pages (lane given back, KV recomputed on re-admission)."),
+    ("tf_prefix_cache_hit_pages", "prefix_cache_hit_pages",
+     "Prompt pages taken from the prefix cache instead of computed."),
+    ("tf_prefix_cache_missed_pages", "prefix_cache_missed_pages",
+     "Full pages computed and published to the prefix cache (no cached copy was found)."),
+    ("tf_prefix_cache_evictions", "prefix_cache_evictions",
+     "Idle cached pages given back to the pool."),
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)

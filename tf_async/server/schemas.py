@@ -81,6 +81,8 @@ class _Sampling(IgnoredOpenAIFields, kw_only=True):
     n: NumChoices = 1
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+    # prefix cache (vLLM's field): prompt pages are shared only between requests of one salt
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:

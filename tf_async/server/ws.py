@@ -132,7 +132,8 @@ class ChatSocket:
         default = server.chat_default_max_tokens(messages) if requested is None else 0
         params = msg.sampling_params(server.max_tokens_for(requested, default), None)
         last = Delta("", [], "stop")
-        async with contextlib.aclosing(server.engine.chat(messages, params)) as deltas:
+        async with contextlib.aclosing(server.engine.chat(messages, params,
+                                                          cache_salt=msg.cache_salt)) as deltas:
             async for delta in deltas:
                 tracker.on_tokens(len(delta.token_ids))
                 if delta.text:
