@@ -339,7 +339,7 @@ def _json_cases(max_body: int) -> list[tuple[str, str, Any]]:
         "top_p": [0, -0.5, 2, "x"], "top_k": [-2, 1.5, "x"], "min_p": [-1, 2],
         "max_tokens": [0, -1, 10**12, 1.5, "10", True], "seed": ["x", 2**70, 1.5],
         "presence_penalty": [3, -3, "x"], "frequency_penalty": [9], "repetition_penalty": [0, 11],
-        "stop": [5, [""], ["a"] * 40, [1, 2]], "logprobs": [99, -1, "x"], "n": [2, 0],
+        "stop": [5, [""], ["a"] * 40, [1, 2]], "logprobs": [99, -1, "x"], "n": [17, 0, "2"],
         "stream": ["yes", 1], "model": ["gpt-4", "/etc/passwd", 5], "echo": [True],
     }.items():
         for value in values:
