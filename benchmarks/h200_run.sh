@@ -19,7 +19,7 @@
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
 #
 # The machine's Python lacks msgspec and pytest-asyncio and has NumPy 2.5 (numba-cuda cannot
-# compile with it): carry wheels in .whl/ (numpy 2.4, msgspec, pytest_asyncio, gguf). The
+# compile with it): carry wheels in .whl/ (numpy 2.4, msgspec, pytest_asyncio, gguf, llguidance). The
 # default model's 98 MB GGUF exceeds one call's carry limit: split it (`split -b 47000000 -d
 # FILE .big/smol.part`), carry .whl + .big/smol.part00 in one call (this script copies it to
 # /tmp), then at once (the machine stays warm 30 s) .big/smol.part01 + part02 in the next.
