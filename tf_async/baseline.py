@@ -177,13 +177,6 @@ async def _run_section(ckpt: Checkpoint, settings: BaselineSettings,
     return out
 
 
-def resolve_device(device: str) -> str:
-    """"cpu" or "cuda", as the engine picks for `device` (auto, cpu, cuda)."""
-    from .backend.select import cuda_available
-
-    return "cuda" if device == "cuda" or (device == "auto" and cuda_available()) else "cpu"
-
-
 async def record(ckpt: Checkpoint, settings: BaselineSettings, *, reason: str,
                  model_name: str | None = None) -> dict[str, Any]:
     """A baseline document for `ckpt` (see the module docstring); `model_name` defaults to the

@@ -8,13 +8,14 @@ import sys
 import time
 
 from . import baseline
+from .backend.select import resolve_device
 from .engine.build import load_model
 from .errors import BadInputError
 
 
 def _record(args: argparse.Namespace) -> int:
     ckpt = load_model(args.model)
-    settings = baseline.BaselineSettings(device=baseline.resolve_device(args.device),
+    settings = baseline.BaselineSettings(device=resolve_device(args.device),
                                          kv_dtype=args.kv_dtype, max_tokens=args.max_tokens)
     doc = asyncio.run(baseline.record(ckpt, settings, reason=args.reason))
     baseline.write(doc, args.record)

@@ -15,10 +15,15 @@ def cuda_available() -> bool:
         return False
 
 
-def make_ops(device: str = "auto") -> Ops:
+def resolve_device(device: str) -> str:
+    """"cpu" or "cuda": the backend `device` (auto, cpu, cuda) picks."""
     if device not in ("auto", "cpu", "cuda"):
         raise BadInputError(f"unknown device {device!r}: use auto, cpu or cuda", param="device")
-    if device == "cuda" or (device == "auto" and cuda_available()):
+    return "cuda" if device == "cuda" or (device == "auto" and cuda_available()) else "cpu"
+
+
+def make_ops(device: str = "auto") -> Ops:
+    if resolve_device(device) == "cuda":
         from .cuda_ops import CudaOps  # raises BadInputError when CUDA is not usable
 
         return CudaOps()
