@@ -333,3 +333,23 @@ def test_serve_turns_the_cache_off_with_no_prefix_cache() -> None:
 
     for argv, want in (([], True), (["--no-prefix-cache"], False)):
         assert engine_from_args(_parser().parse_args(["serve", *argv])).options.prefix_cache is want
+
+
+async def test_a_preempted_stream_resumes_from_its_own_cached_pages(tiny_llama) -> None:  # noqa: ANN001
+    """Out of pages mid-stream: the preempted stream's committed pages stay cached, and its
+    re-admission takes them back instead of recomputing (same outputs as without the cache)."""
+    options = dict(device="cpu", parallel=3, ctx=96, page_size=PAGE, kv_pages=24, step_tokens=16)
+    prompts = [_tokens(400 + i, 9) for i in range(6)]
+
+    async def run(eng: Engine) -> list[list[int]]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i, 30))
+                                      for i, p in enumerate(prompts)))
+        return [d.token_ids for d in done]
+
+    async with Engine(tiny_llama, **options) as eng:
+        cached = await run(eng)
+        stats = await idle_stats(eng)
+    async with Engine(tiny_llama, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+    assert cached == fresh
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_pages"] > 0
