@@ -41,6 +41,16 @@ async def live_server(engine: Any, **app_kwargs: Any) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def live_openai_client(engine: Any) -> AsyncIterator[Any]:
+    """The openai SDK's AsyncOpenAI against `engine` served on loopback (no retries)."""
+    import openai
+
+    async with live_server(engine) as url, openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0) as oa:
+        yield oa
+
+
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0,
                    what: str = "condition") -> None:
     """Poll `condition` until true (checks every 5 ms), failing after `timeout_s`."""

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 import pytest_asyncio
 
-from .server_helpers import MODEL_NAME, live_server, open_engine, write_tiny_model
+from .server_helpers import (
+    MODEL_NAME,
+    live_openai_client,
+    open_engine,
+    write_tiny_model,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TEMPLATE = (
@@ -38,8 +42,7 @@ async def engine(tmp_path_factory):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(engine):
-    async with live_server(engine) as url, openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="unused", max_retries=0) as oa:
+    async with live_openai_client(engine) as oa:
         yield oa
 
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from .server_helpers import MODEL_NAME, live_server, open_engine, wait_idle
+from .server_helpers import MODEL_NAME, live_openai_client, open_engine, wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -32,8 +32,7 @@ async def engine(tmp_path_factory):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(engine):
-    async with live_server(engine) as url, openai.AsyncOpenAI(
-            base_url=url + "/v1", api_key="unused", max_retries=0) as oa:
+    async with live_openai_client(engine) as oa:
         yield oa
 
 
