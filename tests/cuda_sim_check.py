@@ -198,7 +198,7 @@ def check_matmul(rng: np.random.Generator) -> None:
 
 
 def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
-    """The many-rows path of int8-x weights (cuda_kernels/qmma.py, mma emulated) gives the
+    """The tensor-core path of int8-x weights (cuda_kernels/qmma.py, mma emulated) gives the
     few-rows path's bits (cuda_kernels/qdot.py) for every epilogue, at chunk counts that leave
     some warps without a last chunk, a partial feature block and a partial row block, and at
     more than 32 rows (the prompt-sized tiles)."""
@@ -213,13 +213,13 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
         width = out_f // 2 if epilogue == "swiglu" else out_f
         start = rng.standard_normal((rows, width)).astype(np.float32)
         outs = {}
-        for path in ("few", "many"):
+        for path in ("few", "mma"):
             outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
             launch.matmul(kind, x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
                           epilogue=epilogue)
-        assert np.array_equal(outs["few"], outs["many"]), (kind, in_f, epilogue)
+        assert np.array_equal(outs["few"], outs["mma"]), (kind, in_f, epilogue)
         if epilogue == "store":
-            assert rel_err(outs["many"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
+            assert rel_err(outs["mma"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:

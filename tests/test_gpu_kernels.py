@@ -83,6 +83,8 @@ def test_tensor_core_rows_are_bit_identical_at_every_row_count(ops, rng, kind, b
     for rows in (1, 7, 64, 512):
         start = int(rng.integers(0, 2048 - rows))
         assert np.array_equal(_matmul(ops, kind, x[start : start + rows], parts, gs), full[start : start + rows]), rows
+        mma = _matmul(ops, kind, x[start : start + rows], parts, gs, path="mma")  # whatever 'many' would pick
+        assert np.array_equal(mma, full[start : start + rows]), rows
 
 
 @pytest.mark.parametrize("epilogue", ["swiglu", "add"])
@@ -95,7 +97,7 @@ def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue) -> N
     width = out_f // 2 if epilogue == "swiglu" else out_f
     start = rng.standard_normal((rows, width)).astype(np.float32)
     outs = []
-    for path in ("few", "many"):
+    for path in ("few", "mma"):
         out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
         _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
              ops._no_experts, out, path=path, epilogue=epilogue)
