@@ -1,0 +1,218 @@
+"""The DFlash / DFlash2 drafter's forward on any Ops (docs/DFLASH.md).
+
+One draft round of a stream whose target has committed positions [0, start):
+
+    ctx[p]  = hidden_norm(fc([h_l0[p] | h_l1[p] | ...]))   h_l: output of target layer l
+    ring    : per drafter layer, k_norm'd + roped K and V of ctx[p] at row p % capacity
+    x       = embed([anchor, mask, ..., mask]) * input_embedding_scale   positions start..
+    per layer: x += attn(rms(x)); x += mlp(rms(x))   queries: the block; keys: ring + block
+    h       = norm(x)[1:];  logits = lm_head(h) * output_multiplier (softcapped)
+
+Attention inside the block is non-causal unless the layer is causal; a sliding layer sees
+keys with |q - k| < window. DFlash2 wraps each sublayer in a grouped dynamic causal
+convolution over the block and picks the block's tokens with its candidate selector (a
+greedy chain over the top-k of each row). The ring is the caller's: `new_ring` sizes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..backend.base import Array, Ops
+from ..backend.weights import Linear
+from .dflash import DFlashCheckpoint, DFlashConfig, DFlashLayerWeights, DynamicConvWeights
+from .rope import rope_tables
+
+
+class DFlashModel:
+    """The drafter with the target's embedding and LM head (uploaded by the target)."""
+
+    def __init__(self, checkpoint: DFlashCheckpoint, ops: Ops, embed: Linear, lm_head: Linear):
+        self.cfg: DFlashConfig = checkpoint.config
+        self.ops = ops
+        w = checkpoint.weights
+        self.fc = ops.upload_linear(w.fc)
+        self.hidden_norm = ops.asarray(w.hidden_norm)
+        self.norm = ops.asarray(w.norm)
+        self.layers = tuple(_upload_layer(ops, layer) for layer in w.layers)
+        self.selector = w.selector  # host: the chain runs on the host
+        self.hidden_projection = None if w.selector is None else ops.upload_linear(w.selector.hidden_projection)
+        inv_freq, self.mscale = rope_tables(self.cfg.rope_config())
+        self.inv_freq = ops.asarray(inv_freq)
+        self.embed, self.lm_head = embed, lm_head
+
+    # ---- the context ring -----------------------------------------------------------------
+    def new_ring(self, capacity: int) -> Array:
+        """A zeroed ring [layers, 2, capacity, nkv, hd] float32."""
+        c = self.cfg
+        return self.ops.xp.zeros((c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim), np.float32)
+
+    def context_rows_needed(self, start: int) -> int:
+        """How many past positions a block at `start` attends (the ring must hold them)."""
+        windows = self.cfg.layer_windows
+        if any(w is None for w in windows):
+            return start
+        return min(start, max(w for w in windows if w is not None) - 1)
+
+    def write_context(self, ring: Array, features: Array, positions: Array) -> None:
+        """features [n, len(target_layer_ids) * H] float32 (the target's layer outputs side
+        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring."""
+        ops, c = self.ops, self.cfg
+        ctx = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, c.rms_norm_eps)
+        rows = positions % ring.shape[2]
+        for i, layer in enumerate(self.layers):
+            k, v = self._kv(layer, ctx, positions)
+            ring[i, 0, rows] = k
+            ring[i, 1, rows] = v
+
+    # ---- one block ------------------------------------------------------------------------
+    def block_hidden(self, ring: Array, start: int, token_ids: np.ndarray) -> Array:
+        """token_ids [B] (the anchor at `start`, then mask tokens) -> normed output [B, H]."""
+        ops, c, xp = self.ops, self.cfg, self.ops.xp
+        capacity = int(ring.shape[2])
+        if capacity < self.context_rows_needed(start):
+            raise ValueError(f"DFlash ring of {capacity} rows cannot hold the "
+                             f"{self.context_rows_needed(start)} positions a block at {start} attends")
+        qpos = ops.asarray(np.arange(start, start + len(token_ids), dtype=np.int64))
+        kpos = np.arange(max(0, start - capacity), start, dtype=np.int64)
+        ids = ops.asarray(np.asarray(token_ids, np.int64))
+        x = ops.embed(self.embed, ids) * np.float32(c.input_embedding_scale)
+        for i, layer in enumerate(self.layers):
+            a = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            a, after = self._conv_in(a, layer.attention_conv)
+            attn = self._attention(i, layer, a, ring, kpos, qpos)
+            x = x + self._conv_out(attn, after, layer.attention_conv)
+            m = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            m, after = self._conv_in(m, layer.mlp_conv)
+            mlp = ops.linear(ops.silu_mul(ops.linear(m, layer.gate), ops.linear(m, layer.up)), layer.down)
+            x = x + self._conv_out(mlp, after, layer.mlp_conv)
+        return ops.rms_norm(xp.ascontiguousarray(x), self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: Array) -> Array:
+        """lm_head(hidden) [rows, V] times output_multiplier, softcapped where configured."""
+        c, xp = self.cfg, self.ops.xp
+        out = self.ops.linear(hidden, self.lm_head)
+        if c.output_multiplier != 1.0:
+            out = out * np.float32(c.output_multiplier)
+        if c.final_logit_softcapping:
+            cap = np.float32(c.final_logit_softcapping)
+            out = xp.tanh(out / cap) * cap
+        return out
+
+    def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
+        """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
+        c = self.cfg
+        ids = np.full(c.block_size, c.mask_token_id, np.int64)
+        ids[0] = anchor_id
+        hidden = self.block_hidden(ring, start, ids)[1:]
+        logits = self.logits(hidden)
+        if self.selector is None:
+            return np.argmax(self.ops.to_host(logits), axis=-1).astype(np.int64)
+        assert self.hidden_projection is not None
+        projected = self.ops.to_host(self.ops.linear(hidden, self.hidden_projection))
+        return self._select(self.ops.to_host(logits), projected, anchor_id)
+
+    # ---- parts ----------------------------------------------------------------------------
+    def _kv(self, layer: DFlashLayerWeights, x: Array, positions: Array) -> tuple[Array, Array]:
+        """k_norm'd, roped K and V [rows, nkv, hd] of x [rows, H] at positions."""
+        ops, c = self.ops, self.cfg
+        shape = (x.shape[0], c.num_kv_heads, c.head_dim)
+        k = ops.rms_norm(ops.linear(x, layer.k).reshape(shape), layer.k_norm, c.rms_norm_eps)
+        ops.rope(k, positions, self.inv_freq, self.mscale)
+        return k, ops.linear(x, layer.v).reshape(shape)
+
+    def _attention(self, index: int, layer: DFlashLayerWeights, a: Array, ring: Array,
+                   kpos: np.ndarray, qpos: Array) -> Array:
+        """The block's queries over ring rows kpos (ascending positions) and the block."""
+        ops, c, xp = self.ops, self.cfg, self.ops.xp
+        rows, group = a.shape[0], c.num_heads // c.num_kv_heads
+        q = ops.rms_norm(ops.linear(a, layer.q).reshape(rows, c.num_heads, c.head_dim),
+                         layer.q_norm, c.rms_norm_eps)
+        ops.rope(q, qpos, self.inv_freq, self.mscale)
+        k, v = self._kv(layer, a, qpos)
+        ring_rows = ops.asarray(kpos % ring.shape[2])
+        keys = xp.concatenate([ring[index, 0, ring_rows], k])  # [T, nkv, hd]
+        values = xp.concatenate([ring[index, 1, ring_rows], v])
+        visible = ops.asarray(_visible(self.ops.to_host(qpos), kpos, c.layer_windows[index],
+                                       c.layer_causal[index]))
+        qg = q.reshape(rows, c.num_kv_heads, group, c.head_dim)
+        scores = xp.einsum("bngd,tnd->bngt", qg, keys) * np.float32(c.head_dim ** -0.5)
+        scores = xp.where(visible[:, None, None, :], scores, np.float32(-np.inf))
+        probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+        out = xp.einsum("bngt,tnd->bngd", probs, values).reshape(rows, c.num_heads * c.head_dim)
+        return ops.linear(xp.ascontiguousarray(out, dtype=np.float32), layer.o)
+
+    def _conv_in(self, x: Array, conv: DynamicConvWeights | None) -> tuple[Array, Array | None]:
+        """DFlash2's convolution before a sublayer: (convolved x, the taps for after it)."""
+        if conv is None:
+            return x, None
+        c = self.cfg
+        taps = self.ops.linear(x, conv.kernel_projection).reshape(
+            x.shape[0], 2, c.conv_kernel_size, c.num_groups)
+        return self._convolve(x, taps[:, 0], conv.base_kernel[0]), taps[:, 1]
+
+    def _conv_out(self, x: Array, taps: Array | None, conv: DynamicConvWeights | None) -> Array:
+        if conv is None or taps is None:
+            return x
+        return self._convolve(x, taps, conv.base_kernel[1])
+
+    def _convolve(self, x: Array, taps: Array, base: Array) -> Array:
+        """Grouped dynamic causal convolution over the block: x [B, H], taps [B, K, G]
+        (one tap a group), base [K, H]; out[t] = sum_o (base[o] + taps[t, o]) * x[t - o]."""
+        xp, c = self.ops.xp, self.cfg
+        rows, groups = x.shape[0], c.num_groups
+        blocks = x.reshape(rows, groups, c.conv_group_size)
+        out = xp.zeros_like(blocks)
+        for offset in range(c.conv_kernel_size):
+            shifted = xp.zeros_like(blocks)
+            shifted[offset:] = blocks[:rows - offset]
+            out = out + base[offset].reshape(groups, c.conv_group_size) * shifted
+            out = out + taps[:, offset, :, None] * shifted
+        return out.reshape(rows, c.hidden_size)
+
+    def _select(self, logits: np.ndarray, projected: np.ndarray, anchor_id: int) -> np.ndarray:
+        """DFlash2's candidate selector, greedy: row t's candidates are its top_k logits
+        (ties: lower id first); score = logit + <pred[prev] * proj[t], succ[cand]>."""
+        assert self.selector is not None
+        sel, top_k = self.selector, self.cfg.selector_top_k
+        path = np.empty(logits.shape[0], np.int64)
+        previous = anchor_id
+        for t in range(logits.shape[0]):
+            candidates = np.argsort(-logits[t], kind="stable")[:top_k]
+            pair = sel.successor_codebook[candidates] @ (sel.predecessor_codebook[previous] * projected[t])
+            previous = int(candidates[int(np.argmax(logits[t, candidates] + pair))])
+            path[t] = previous
+        return path
+
+
+def _visible(qpos: np.ndarray, kpos_ring: np.ndarray, window: int | None, causal: bool) -> np.ndarray:
+    """[B, T] bool: which keys (ring positions, then the block's) each block query sees."""
+    keys = np.concatenate([kpos_ring, qpos])
+    diff = qpos[:, None] - keys[None, :]
+    visible = np.ones(diff.shape, bool)
+    if causal:
+        visible &= diff >= 0
+    if window is not None:
+        visible &= diff < window
+        if not causal:
+            visible &= -diff < window
+    return visible
+
+
+def _upload_layer(ops: Ops, layer: DFlashLayerWeights) -> DFlashLayerWeights:
+    up, put = ops.upload_linear, ops.asarray
+    return replace(layer, input_norm=put(layer.input_norm), post_norm=put(layer.post_norm),
+                   q=up(layer.q), k=up(layer.k), v=up(layer.v), o=up(layer.o),
+                   q_norm=put(layer.q_norm), k_norm=put(layer.k_norm),
+                   gate=up(layer.gate), up=up(layer.up), down=up(layer.down),
+                   attention_conv=_upload_conv(ops, layer.attention_conv),
+                   mlp_conv=_upload_conv(ops, layer.mlp_conv))
+
+
+def _upload_conv(ops: Ops, conv: DynamicConvWeights | None) -> DynamicConvWeights | None:
+    if conv is None:
+        return None
+    return DynamicConvWeights(ops.asarray(conv.base_kernel), ops.upload_linear(conv.kernel_projection))
