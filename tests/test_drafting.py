@@ -178,12 +178,13 @@ def test_drafter_specs_parse_against_the_one_table_of_kinds():
     from tf_async.engine.drafters.registry import KINDS, parse_drafter
     from tf_async.engine.drafting import DrafterSpec
 
-    assert set(KINDS) == {"ngram", "mtp", "draft"}
+    assert set(KINDS) == {"ngram", "mtp", "draft", "dflash"}
     assert parse_drafter("ngram") == DrafterSpec("ngram")
     assert parse_drafter("mtp") == DrafterSpec("mtp")
     assert parse_drafter("draft:/m/a:b") == DrafterSpec("draft", "/m/a:b")
-    for bad in ("draft", "draft:", "ngram:x", "mtp:", "medusa", ""):
-        with pytest.raises(BadInputError, match="expected one of ngram, mtp, draft:PATH"):
+    assert parse_drafter("dflash:/m/d") == DrafterSpec("dflash", "/m/d")
+    for bad in ("draft", "draft:", "ngram:x", "mtp:", "medusa", "", "dflash", "dflash:"):
+        with pytest.raises(BadInputError, match="expected one of ngram, mtp, draft:PATH, dflash:PATH"):
             parse_drafter(bad)
 
 

@@ -59,6 +59,8 @@ class Runner:
         self.arena = arena
         self.states: RecurrentStates | None = decoder.states
         self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
+        # with all_hidden: these target layers' outputs instead of the final-normed rows (DFlash)
+        self.capture_layers: tuple[int, ...] = ()
         self._state_touched = False  # the decoder's forward ran (recurrent state may be advanced)
         # Tests set this to raise inside a step for chosen requests (failure injection).
         self.fault_injector: Callable[[SeqRows], None] | None = None
@@ -143,6 +145,8 @@ class Runner:
             for rows in all_rows:
                 self.fault_injector(rows)
         batch = self._batch(all_rows, tables)
+        if self.capture_layers:  # the same index arrays: still the packed buffer's views
+            batch = replace(batch, capture_layers=self.capture_layers)
         self._state_touched = True
         with self._host_checked(batch):
             logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,

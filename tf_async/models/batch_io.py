@@ -145,9 +145,27 @@ class ForwardBatch:
     # The one packed buffer the fields view, with its host original (pack_batch); None for
     # a batch built from separate arrays.
     packed: PackedBatch | None = None
+    # Target layers whose outputs (pre final norm) forward(all_hidden=True) returns as the
+    # hidden rows, side by side in this order ([rows, len * H]), instead of the final-normed
+    # rows: what a DFlash drafter reads (its target_layer_ids). () for the final-normed rows.
+    capture_layers: tuple[int, ...] = ()
     # [rows, H] float32 hidden rows fed with the tokens (the MTP head: the target's final-normed
     # rows h_s); None for decoders that start from the embedding alone
     hidden_in: Array | None = None
+
+
+def captured_rows(ops: Ops, batch: ForwardBatch, index: int, h: Array,
+                  captured: dict[int, Array]) -> None:
+    """Keep a copy of layer `index`'s output rows h when the batch captures that layer."""
+    if index in batch.capture_layers:
+        captured[index] = h.copy()
+
+
+def hidden_rows(ops: Ops, batch: ForwardBatch, captured: dict[int, Array], normed: Array) -> Array:
+    """forward(all_hidden=True)'s hidden rows: the captured layers side by side, else normed."""
+    if not batch.capture_layers:
+        return normed
+    return ops.xp.concatenate([captured[i] for i in batch.capture_layers], axis=-1)
 
 
 def packed_of(batch: ForwardBatch) -> PackedBatch | None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backend.base import Array, Ops
 from ..backend.weights import FusedLinear
-from .batch_io import ForwardBatch
+from .batch_io import ForwardBatch, captured_rows, hidden_rows
 from .checkpoint import Checkpoint, LayerWeights, ModelWeights
 from .rope import rope_tables
 
@@ -47,17 +47,20 @@ class Decoder:
         of those rows, or [rows, H] of every row when `all_hidden`)."""
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
+        captured: dict[int, Array] = {}  # batch.capture_layers' outputs
         for index, (layer, fused) in enumerate(zip(w.layers, self.fused, strict=True)):
             if fused is not None:
                 self._fused_layer(index, layer, fused, h, batch, kv, kv_scales)  # h in place
-                continue
-            # a layer whose q, k, v cannot be fused (some biases but not all; CUDA: mixed kinds)
-            h = h + self._attention(index, layer, h, batch, kv, kv_scales)
-            h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
+            else:
+                # a layer whose q, k, v cannot be fused (some biases but not all; CUDA: mixed kinds)
+                h = h + self._attention(index, layer, h, batch, kv, kv_scales)
+                h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
+            captured_rows(ops, batch, index, h, captured)
         hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm,
                               self.config.rms_norm_eps)
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
-        return ops.linear(logit_hidden, w.lm_head), hidden
+        return ops.linear(logit_hidden, w.lm_head), (hidden_rows(ops, batch, captured, hidden)
+                                                     if all_hidden else hidden)
 
     def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
                    kv: Array, kv_scales: Array) -> Array:

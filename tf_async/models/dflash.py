@@ -276,20 +276,23 @@ def _check_groups(cfg: DFlashConfig) -> None:
                                f"divide hidden_size {cfg.hidden_size}")
 
 
-def check_against_target(cfg: DFlashConfig, target: ModelConfig, *, where: str = "drafter") -> None:
-    """BadInputError naming the first mismatch between the drafter and the target it drafts
-    for: vocabulary, hidden size, target layers, the mask token."""
+def check_against_target(cfg: DFlashConfig, target: ModelConfig, num_target_layers: int | None = None,
+                         *, where: str = "drafter") -> None:
+    """BadInputError naming every mismatch between the drafter and the target it drafts for:
+    vocabulary, hidden size, target layers (num_target_layers: the trunk's layers, default
+    target.num_layers; a hybrid's config counts only its attention layers), the mask token."""
+    num_layers = target.num_layers if num_target_layers is None else num_target_layers
     problems = []
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {cfg.vocab_size} != the target's {target.vocab_size}")
     if cfg.hidden_size != target.hidden_size:
         problems.append(f"hidden_size {cfg.hidden_size} != the target's {target.hidden_size}")
-    outside = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    outside = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
     if outside or not cfg.target_layer_ids:
         problems.append(f"target_layer_ids {list(cfg.target_layer_ids)} not within the target's "
-                        f"{target.num_layers} layers")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
-        problems.append(f"num_target_layers {cfg.num_target_layers} != the target's {target.num_layers}")
+                        f"{num_layers} layers")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != the target's {num_layers}")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {cfg.mask_token_id} outside the vocabulary")
     if problems:

@@ -21,6 +21,8 @@ from .qwen35 import RecurrentStates
 class EmbedWeights(Protocol):
     @property
     def embed(self) -> Linear: ...  # [V, H]: its out_features is the vocabulary bound of ids
+    @property
+    def lm_head(self) -> Linear: ...  # [V, H] (a DFlash drafter scores its block with it)
 
 
 class DecoderProtocol(Protocol):
@@ -40,7 +42,8 @@ class DecoderProtocol(Protocol):
     def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array, *,
                 all_hidden: bool = False) -> tuple[Array, Array]:
         """Run the rows: (logits [m, V] of batch.logit_rows, final-normed hidden [m, H] of
-        those rows, or [rows, H] of every row with `all_hidden`)."""
+        those rows, or [rows, H] of every row with `all_hidden`; with `all_hidden` and
+        batch.capture_layers: those layers' outputs side by side, [rows, len * H])."""
         ...
 
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..backend.base import Array, Ops
 from ..backend.weights import DenseWeight, Linear
-from .batch_io import ForwardBatch, packed_of
+from .batch_io import ForwardBatch, captured_rows, hidden_rows, packed_of
 from .config import ModelConfig
 from .rope import rope_tables
 
@@ -352,6 +352,7 @@ class HybridDecoder:
         row_lanes = self._row_lanes(batch, states)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
         h = ops.embed(w.embed, batch.token_ids)
+        captured: dict[int, Array] = {}  # batch.capture_layers' outputs
         for index, layer in enumerate(w.layers):
             a = ops.rms_norm(h, layer.input_norm, eps)
             slot = self.hybrid.state_index(index)
@@ -361,9 +362,11 @@ class HybridDecoder:
             else:
                 h = h + self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
             h = h + self.ffn(layer.ffn, ops.rms_norm(h, layer.post_norm, eps))
+            captured_rows(ops, batch, index, h, captured)
         hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm, eps)
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
-        return ops.linear(logit_hidden, w.lm_head), hidden
+        return ops.linear(logit_hidden, w.lm_head), (hidden_rows(ops, batch, captured, hidden)
+                                                     if all_hidden else hidden)
 
     def argmax_of(self, logits: Array) -> None:
         return None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import BadInputError
 from ..drafting import Drafter, DrafterSpec
+from .dflash import make_dflash_drafter
 from .model import make_model_drafter
 from .mtp import make_mtp_drafter
 from .ngram import make_ngram_drafter
@@ -42,11 +43,12 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("ngram", make_ngram_drafter),
     DrafterKind("mtp", make_mtp_drafter, keeps_a_ring=True),
     DrafterKind("draft", make_model_drafter, takes_path=True, keeps_a_ring=True),
+    DrafterKind("dflash", make_dflash_drafter, takes_path=True, keeps_a_ring=True),
 )}
 
 
 def parse_drafter(spec: str) -> DrafterSpec:
-    """`ngram` | `mtp` | `draft:PATH` (the names and forms of KINDS) -> DrafterSpec."""
+    """`ngram` | `mtp` | `draft:PATH` | `dflash:PATH` (the forms of KINDS) -> DrafterSpec."""
     name, colon, path = spec.partition(":")
     kind = KINDS.get(name)
     if kind is not None and (bool(path) if kind.takes_path else not colon):

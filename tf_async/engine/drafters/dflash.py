@@ -1,0 +1,125 @@
+"""`dflash:PATH`: a DFlash / DFlash2 block-diffusion drafter (docs/DFLASH.md).
+
+The target returns, for every row of its steps, the outputs of the drafter's
+target_layer_ids side by side (Runner.capture_layers; no extra target pass). `absorb`
+projects the committed rows into the context ring (K/V of every drafter layer at row
+p % capacity) in the context's area, borrowed from the lane's run:
+
+    ring: positions [0, num_valid) of committed tokens    pending: the last token (anchor)
+    ready when num_valid == num_tokens - 1
+
+`propose` runs one forward over the block [anchor, mask, ...] at position num_valid and
+returns its greedy drafts (DFlash2: through its candidate selector). Verification keeps a
+draft only when the target emits it, so drafted == plain whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...backend.base import Array
+from ...models.dflash import DFlashCheckpoint, check_against_target, load_dflash
+from ...models.dflash_model import DFlashModel
+from ...models.qwen35 import HybridWeights
+from ..area import AreaLayout
+from ..drafting import count_accepted
+from .base import ContextDrafter
+from .contexts import DraftContext, DraftContexts, make_contexts
+
+if TYPE_CHECKING:
+    from ...models.checkpoint import Checkpoint
+    from ..drafting import DrafterSpec
+    from ..options import EngineOptions
+    from ..runner import Runner
+    from ..sequence import SeqRows, Sequence
+
+log = logging.getLogger("tf_async.drafting")
+
+
+class DFlashDrafter(ContextDrafter):
+    name = "dflash"
+
+    def __init__(self, model: DFlashModel, contexts: DraftContexts, draft_tokens: int):
+        super().__init__(model.ops, None, contexts, draft_tokens)
+        self.model = model
+
+    def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
+        return ctx.num_valid == seq.num_tokens - 1
+
+    def _reset(self, ctx: DraftContext) -> None:
+        ctx.num_valid = -1  # this stream decodes without drafts from now on
+
+    def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        assert ctx.views is not None
+        proposed = self.model.propose(ctx.views.ring, ctx.num_valid, seq.last_token())
+        drafts: list[int] = []
+        for token in proposed[:limit].tolist():
+            if token in seq.stop_ids:
+                break  # the target emits stop tokens itself
+            drafts.append(int(token))
+        return tuple(drafts)
+
+    def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
+        """Project the rows this step committed (hidden: [rows, len(target_layer_ids) * H],
+        every row of the step) into the ring."""
+        count_accepted(self, rows, num_new_tokens)
+        ctx = self.contexts.get(seq)
+        if ctx is None or ctx.num_valid < 0 or hidden is None:
+            return
+        valid_end = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + num_new_tokens
+        try:
+            self._sync(ctx, rows.start_pos, valid_end, hidden)
+        except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
+            log.exception("DFlash sync failed for request %d; decoding without drafts",
+                          seq.request_id)
+            ctx.num_valid = -1
+
+    def _sync(self, ctx: DraftContext, start_pos: int, valid_end: int, hidden: Array) -> None:
+        """Positions [num_valid, valid_end) into the ring from the step's rows at start_pos.."""
+        assert ctx.views is not None
+        lo = ctx.num_valid
+        if lo < start_pos or valid_end < lo:
+            ctx.num_valid = -1  # a gap (never expected): stop drafting for this stream
+            return
+        if valid_end > lo:
+            positions = self.ops.asarray(np.arange(lo, valid_end, dtype=np.int64))
+            features = self.ops.xp.ascontiguousarray(hidden[lo - start_pos: valid_end - start_pos])
+            self.model.write_context(ctx.views.ring, features, positions)
+        ctx.num_valid = valid_end
+
+
+# ---- construction -------------------------------------------------------------------------
+def ring_capacity(ckpt: DFlashCheckpoint, options: EngineOptions) -> int:
+    """Rows the ring needs: the widest sliding window when every layer slides (DFlash2),
+    else the context (--draft-ring, default ctx)."""
+    windows = ckpt.config.layer_windows
+    if all(w is not None for w in windows):
+        return min(options.ring_capacity, max(w for w in windows if w is not None))
+    return options.ring_capacity
+
+
+def dflash_layout(ckpt: DFlashCheckpoint, capacity: int) -> AreaLayout:
+    """Every drafter layer's K/V, float32 (the block attention reads them as they are)."""
+    c = ckpt.config
+    return AreaLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, capacity, "f32")
+
+
+def make_dflash_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
+                        runner: Runner, num_lanes: int) -> DFlashDrafter:
+    """Load and check the drafter against the target; the runner then returns every row's
+    target_layer_ids outputs."""
+    assert spec.path is not None
+    drafter_ckpt = load_dflash(spec.path)
+    trunk = ckpt.weights.hybrid.num_trunk_layers if isinstance(ckpt.weights, HybridWeights) else None
+    check_against_target(drafter_ckpt.config, ckpt.config, trunk, where=f"drafter {spec.path}")
+    weights = runner.decoder.weights
+    model = DFlashModel(drafter_ckpt, runner.ops, weights.embed, weights.lm_head)
+    layout = dflash_layout(drafter_ckpt, ring_capacity(drafter_ckpt, options))
+    contexts = make_contexts(runner, layout, options.num_draft_areas(num_lanes))
+    runner.all_hidden = True
+    runner.capture_layers = drafter_ckpt.config.target_layer_ids
+    draft_tokens = min(options.draft_tokens, drafter_ckpt.config.block_size - 1)
+    return DFlashDrafter(model, contexts, draft_tokens)
