@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import tiny_qwen35 as tq
@@ -144,3 +145,31 @@ async def test_mismatched_drafter_is_refused_at_start(tmp_path):
     with pytest.raises(BadInputError, match="hidden_size 64 != the target's 32"):
         async with make_engine(target, drafter=f"dflash:{path}"):
             pass
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+async def test_forced_full_acceptance_keeps_the_ring_in_sync(tiny_llama, drafters, plain, mode):
+    """Drafts forced to the target's own continuation (the real block forward still runs on
+    the ring): every draft is accepted, several rows a round enter the ring, output == plain."""
+    async with make_engine(tiny_llama, parallel=1, drafter=f"dflash:{drafters[2]}",
+                           draft_tokens=3) as eng:
+        drafter = eng.parts.scheduler.drafter
+        assert isinstance(drafter, DFlashDrafter)
+        want = plain[mode][0]
+        real_propose, real_draft = drafter.model.propose, drafter._draft
+        seen: list[tuple[int, int]] = []
+
+        def oracle(seq, limit):
+            ctx = drafter.contexts.get(seq)
+            seen.append((ctx.num_valid, seq.num_tokens))
+            done = len(seq.output_ids)
+            drafter.model.propose = lambda ring, start, anchor: (
+                real_propose(ring, start, anchor), np.asarray(want[done:done + 3], np.int64))[1]
+            return real_draft(ctx, seq, limit)
+
+        drafter._draft = lambda ctx, seq, limit: oracle(seq, limit)  # type: ignore[method-assign]
+        got = (await eng.complete(PROMPTS[0], **sampling(mode, 0))).token_ids
+        stats = await idle_stats(eng)
+    assert got == want
+    assert stats["accepted_tokens"] == stats["drafted_tokens"] > 2 * len(seen) > 0
+    assert all(valid == num_tokens - 1 for valid, num_tokens in seen), seen
