@@ -173,3 +173,44 @@ async def test_forced_full_acceptance_keeps_the_ring_in_sync(tiny_llama, drafter
     assert got == want
     assert stats["accepted_tokens"] == stats["drafted_tokens"] > 2 * len(seen) > 0
     assert all(valid == num_tokens - 1 for valid, num_tokens in seen), seen
+
+
+async def test_a_failed_draft_is_isolated_to_its_stream(tiny_llama, drafters, plain, caplog):
+    """A drafter failure for one stream: that stream decodes without drafts, output == plain,
+    the other streams keep drafting."""
+    async with make_engine(tiny_llama, parallel=4, drafter=f"dflash:{drafters[2]}",
+                           draft_tokens=3) as eng:
+        drafter = eng.parts.scheduler.drafter
+        assert isinstance(drafter, DFlashDrafter)
+        real_draft, failed = drafter._draft, set()
+
+        def flaky(ctx, seq, limit):
+            if seq.prompt_ids == eng.tokenizer.encode(PROMPTS[1], add_special_tokens=eng.tokenizer.add_bos):
+                failed.add(seq.request_id)
+                raise RuntimeError("injected drafter failure")
+            return real_draft(ctx, seq, limit)
+
+        drafter._draft = flaky  # type: ignore[method-assign]
+        got = await run_all(eng, list(PROMPTS[:4]), "greedy")
+        stats = await idle_stats(eng)
+    assert got == plain["greedy"][:4]
+    assert len(failed) == 1 and "injected drafter failure" in caplog.text
+    assert stats["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 4096])
+async def test_ring_capacity_and_area_layout(tiny_llama, drafters, plain, capacity):
+    """The area holds [layers, 2, capacity, nkv, hd] f32 (DFlash2: at most its window of 6
+    rows); a ring too small for what a block attends stops drafting, never changes output."""
+    for generation in (1, 2):
+        async with make_engine(tiny_llama, parallel=2, drafter=f"dflash:{drafters[generation]}",
+                               draft_tokens=3, draft_ring=capacity) as eng:
+            drafter = eng.parts.scheduler.drafter
+            assert isinstance(drafter, DFlashDrafter)
+            rows = min(capacity, 6) if generation == 2 else capacity
+            assert drafter.contexts.layout.ring_shape == (2, 2, rows, 2, 16)
+            assert drafter.contexts.layout.ring_bytes == 2 * 2 * rows * 2 * 16 * 4
+            got = await run_all(eng, list(PROMPTS[:2]), "greedy")
+            stats = await idle_stats(eng)
+        assert got == plain["greedy"][:2]
+        assert (stats["drafted_tokens"] > 0) == (rows >= 5), (generation, capacity, stats)

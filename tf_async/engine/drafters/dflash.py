@@ -47,7 +47,12 @@ class DFlashDrafter(ContextDrafter):
         self.model = model
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
-        return ctx.num_valid == seq.num_tokens - 1
+        """Every committed row is in the ring, and the ring holds all the block attends
+        (a --draft-ring smaller than a full-attention drafter's context: no more drafts)."""
+        assert ctx.views is not None
+        capacity = int(ctx.views.ring.shape[2])
+        return (ctx.num_valid == seq.num_tokens - 1
+                and capacity >= self.model.context_rows_needed(ctx.num_valid))
 
     def _reset(self, ctx: DraftContext) -> None:
         ctx.num_valid = -1  # this stream decodes without drafts from now on
