@@ -5,8 +5,14 @@
 
 The constrained run asks each prompt with its schema as the grammar (greedy); the
 unconstrained run asks the same prompts with no grammar. tokens/s = generated tokens / wall
-time of the run (requests one after another, or --parallel at once). The mask cost replays
-every constrained output through a fresh mask: compute + apply + consume, per token.
+time of the run (requests one after another, or --parallel at once); both modes are warmed
+up at that width first (Numba compiles a kernel per batch shape on first use). The mask cost
+replays every constrained output through a fresh mask: compute + apply + consume, per token.
+
+A reply cut by max_tokens is an unfinished JSON text (finish_reason "length", as OpenAI
+does): the budget must let the answer fit. Where a schema sets no bounds, the grammar's own
+(engine/grammar.py) allow up to 100 characters a string and 16 digits a number, and SmolLM2
+spends one token a digit: an answer with two free strings of digits needs ~250 tokens.
 """
 
 from __future__ import annotations
@@ -130,6 +136,14 @@ def mask_cost(engine: Engine, outs: list) -> float:
     return total / max(tokens, 1)
 
 
+async def warm_up(engine: Engine, parallel: int) -> None:
+    what, schema = SCHEMAS[0]
+    for grammar in (None, GrammarSpec("json_schema", json.dumps(schema))):
+        await asyncio.gather(*(engine.chat_complete(prompt_for(what, schema), max_tokens=8,
+                                                    temperature=0, grammar=grammar)
+                               for _ in range(parallel)))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -141,7 +155,7 @@ async def main() -> None:
         keep = {int(i) for i in args.only.split(",")}
         SCHEMAS[:] = [s for i, s in enumerate(SCHEMAS) if i in keep]
     async with Engine(default_model_path(), device="cpu", parallel=args.parallel, ctx=2048) as engine:
-        await engine.chat_complete([{"role": "user", "content": "hi"}], max_tokens=4)  # warm-up
+        await warm_up(engine, args.parallel)
         free, free_s = ([], 1.0) if args.constrained_only else await run(
             engine, args.max_tokens, args.parallel, constrained=False)
         print(f"unconstrained run: {free_s:.0f} s", flush=True)
@@ -155,7 +169,8 @@ async def main() -> None:
                 failures.append((what, out.finish_reason, out.text[:120], str(exc)[:120]))
         free_tps = sum(len(o.token_ids) for o in free) / free_s or float("nan")
         fixed_tps = sum(len(o.token_ids) for o in fixed) / fixed_s
-        print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}")
+        print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}  longest reply: "
+              f"{max(len(o.token_ids) for o in fixed)} tokens (max_tokens {args.max_tokens})")
         for failure in failures:
             print("  FAIL", failure)
         print(f"unconstrained: {free_tps:.1f} tok/s  constrained: {fixed_tps:.1f} tok/s  "
