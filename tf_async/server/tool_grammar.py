@@ -82,12 +82,22 @@ def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def closed_parameters(function: dict[str, Any]) -> dict[str, Any]:
-    """The function's parameters schema; an object without `additionalProperties` gets
-    only its named arguments (still valid: small models wander into keys of their own)."""
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
-        parameters = {**parameters, "additionalProperties": False}
-    return parameters
+    """The function's parameters schema, where each object that names its properties and
+    says nothing of others gets only those (still valid: small models otherwise wander into
+    keys of their own)."""
+    return _closed(function.get("parameters") or {"type": "object", "properties": {}})
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) for key, value in schema.items()}
+    if isinstance(out.get("properties"), dict) and not (
+            {"additionalProperties", "patternProperties"} & set(out)):
+        out["additionalProperties"] = False
+    return out
 
 
 # ---------------------------------------------------------------- xml (Qwen3.5)
