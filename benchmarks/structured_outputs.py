@@ -1,14 +1,15 @@
 """Structured outputs on the default model: 50 varied JSON schemas, each output validated
 (jsonschema), constrained vs unconstrained tokens/s, and the grammar mask's cost per token.
 
-    python benchmarks/structured_outputs.py [--max-tokens 256] [--parallel 1]
+    python benchmarks/structured_outputs.py [--max-tokens 256] [--parallel 1] [--constrained-only]
 
 The constrained run asks each prompt with its schema as the grammar (greedy); the
-unconstrained run asks the same prompts with no grammar. tokens/s: generated tokens / wall
-time of the run (requests one after another, or --parallel at once; prompts included, so
-short replies count their prompt's time against few tokens), and the decode rate per stream
-(tokens after the first / time from first token to last, summed over replies: the cost of
-the mask and host sampling, without the prompts); both modes are warmed
+unconstrained run asks the same prompts with no grammar. The two modes alternate request by request
+(`--parallel` at a time), so both see the same load on a shared machine. tokens/s, two ways:
+per request (tokens / time from submit to finish, summed over replies: the prompt included,
+so a short reply counts its prompt's time against few tokens), and the decode rate per
+stream (tokens after the first / time from first token to last: the cost of the mask and
+the host sampling, without the prompt); both modes are warmed
 up at that width first (Numba compiles a kernel per batch shape on first use). The mask cost
 replays every constrained output through a fresh mask: compute + apply + consume, per token.
 
@@ -115,13 +116,14 @@ class Reply:
     text: str
     token_ids: list[int]
     finish_reason: str
+    total_s: float  # submitted to finished
     decode_s: float  # first token to last: the decode steps only (no prompt)
 
 
 async def timed_chat(engine: Engine, messages: list[dict], **kwargs: object) -> Reply:
     ids: list[int] = []
     texts: list[str] = []
-    first = last = time.perf_counter()
+    start = first = time.perf_counter()
     finish = ""
     async with engine.chat(messages, **kwargs) as stream:
         async for delta in stream:
@@ -130,22 +132,29 @@ async def timed_chat(engine: Engine, messages: list[dict], **kwargs: object) -> 
             ids += delta.token_ids
             texts.append(delta.text)
             finish = delta.finish_reason or finish
-    last = time.perf_counter()
-    return Reply("".join(texts), ids, finish, last - first)
+    end = time.perf_counter()
+    return Reply("".join(texts), ids, finish, end - start, end - first)
 
 
-async def run(engine: Engine, max_tokens: int, parallel: int, constrained: bool):
+async def run(engine: Engine, max_tokens: int, parallel: int, modes: tuple[bool, ...]):
+    """Each schema asked once per mode (constrained or not), modes alternating, `parallel`
+    requests at a time: both modes see the same machine load."""
     sem = asyncio.Semaphore(parallel)
 
-    async def one(what: str, schema: dict) -> Reply:
+    async def one(what: str, schema: dict, constrained: bool) -> Reply:
         kw = {"grammar": GrammarSpec("json_schema", json.dumps(schema))} if constrained else {}
         async with sem:
             return await timed_chat(engine, prompt_for(what, schema), max_tokens=max_tokens,
                                     temperature=0, **kw)
 
-    start = time.perf_counter()
-    outs = await asyncio.gather(*(one(what, schema) for what, schema in SCHEMAS))
-    return outs, time.perf_counter() - start
+    outs = await asyncio.gather(*(one(what, schema, mode) for what, schema in SCHEMAS
+                                  for mode in modes))
+    return [outs[i::len(modes)] for i in range(len(modes))]
+
+
+def request_rate(outs: list[Reply]) -> float:
+    """Tokens/s of a request, its prompt included: tokens / time from submit to finish."""
+    return sum(len(o.token_ids) for o in outs) / sum(o.total_s for o in outs)
 
 
 def decode_rate(outs: list[Reply]) -> float:
@@ -189,29 +198,25 @@ async def main() -> None:
         SCHEMAS[:] = [s for i, s in enumerate(SCHEMAS) if i in keep]
     async with Engine(default_model_path(), device="cpu", parallel=args.parallel, ctx=2048) as engine:
         await warm_up(engine, args.parallel)
-        free, free_s = ([], 1.0) if args.constrained_only else await run(
-            engine, args.max_tokens, args.parallel, constrained=False)
-        print(f"unconstrained run: {free_s:.0f} s", flush=True)
-        fixed, fixed_s = await run(engine, args.max_tokens, args.parallel, constrained=True)
-        print(f"constrained run: {fixed_s:.0f} s", flush=True)
+        start = time.perf_counter()
+        modes = (True,) if args.constrained_only else (False, True)
+        *frees, fixed = await run(engine, args.max_tokens, args.parallel, modes)
+        print(f"run: {time.perf_counter() - start:.0f} s", flush=True)
         failures = []
         for (what, schema), out in zip(SCHEMAS, fixed, strict=True):
             try:
                 jsonschema.validate(json.loads(out.text), schema)
             except (ValueError, jsonschema.ValidationError) as exc:
                 failures.append((what, out.finish_reason, out.text[:120], str(exc)[:120]))
-        free_tps = sum(len(o.token_ids) for o in free) / free_s or float("nan")
-        fixed_tps = sum(len(o.token_ids) for o in fixed) / fixed_s
         print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}  longest reply: "
               f"{max(len(o.token_ids) for o in fixed)} tokens (max_tokens {args.max_tokens})")
         for failure in failures:
             print("  FAIL", failure)
-        print(f"wall clock, prompts included: unconstrained {free_tps:.1f} tok/s  constrained "
-              f"{fixed_tps:.1f} tok/s  ratio {fixed_tps / free_tps:.2f}")
-        if free:
-            free_rate, fixed_rate = decode_rate(free), decode_rate(fixed)
-            print(f"decode, per stream: unconstrained {free_rate:.1f} tok/s  constrained "
-                  f"{fixed_rate:.1f} tok/s  ratio {fixed_rate / free_rate:.2f}")
+        for free in frees:
+            for name, rate in (("per request, prompt included", request_rate),
+                               ("decode, per stream", decode_rate)):
+                print(f"{name}: unconstrained {rate(free):.1f} tok/s  constrained "
+                      f"{rate(fixed):.1f} tok/s  ratio {rate(fixed) / rate(free):.2f}")
         print(f"mask cost: {mask_cost(engine, fixed) * 1e3:.3f} ms/token "
               f"(compute + apply + consume, vocab {engine.tokenizer.vocab_size})")
 
