@@ -47,9 +47,10 @@ NOTE = {"type": "object", "$defs": {"place": {"type": "object", "properties": {
     "required": ["room"]}}, "properties": {
     "text": {"type": "string", "minLength": 2, "maxLength": 12},
     "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    "ref": {"type": "string", "pattern": "[a-z]/\\d{2}$", "maxLength": 8},
     "when": {"type": "string", "format": "date"},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
-    "place": {"$ref": "#/$defs/place"}}, "required": ["text", "code"]}
+    "place": {"$ref": "#/$defs/place"}}, "required": ["text", "code", "ref"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "leave_note", "parameters": NOTE}}]
 PARAMS = {"get_weather": WEATHER, "leave_note": NOTE}
@@ -119,7 +120,8 @@ async def test_the_templates_own_calls_are_what_the_grammar_accepts(engine):
                  "name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}},
              {"id": "call_2", "type": "function", "function": {
                  "name": "leave_note", "arguments": {"text": "hi <b> there", "code": "ABC",
-                                                     "tags": ["x"], "place": {"room": "A1"}}}}]
+                                                     "ref": "x-ab/12", "tags": ["x"],
+                                                     "place": {"room": "A1"}}}}]
     tokenizer = engine.tokenizer
     before = tokenizer.apply_chat_template(ASK, tools=TOOLS)
     after = tokenizer.apply_chat_template(

@@ -24,9 +24,10 @@ repeat a call forever otherwise).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
+
+import llguidance
 
 from ..api_types import GrammarSpec
 from ..engine.grammar import JSON_STYLE, MAX_STRING_CHARS, bounded_numbers
@@ -141,8 +142,8 @@ def _text_regex(schema: dict[str, Any]) -> str:
     head = "" if pattern.startswith("^") else ".*"
     tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else ".*"
     inner = pattern.removeprefix("^")
-    inner = re.sub(r"(?<!\\)/", r"\\/", inner[: len(inner) - 1] if not tail else inner)
-    return f"{regex} & /{head}({inner}){tail}/"
+    inner = llguidance.regex_to_lark(inner[: len(inner) - 1] if not tail else inner, "dw")
+    return f"{regex} & /{head}({inner}){tail}/"  # "dw": \\d and \\w as JSON Schema reads them
 
 
 def string_choices(schema: Any) -> list[str]:
