@@ -17,6 +17,7 @@ from cuda_kernels import matmul as _mm
 from cuda_kernels import moe as _moe
 from cuda_kernels import norm as _norm
 from cuda_kernels import qdot as _qd
+from cuda_kernels import qmma as _qm
 from cuda_kernels import sampling as _smp
 from cuda_kernels.env import SIMULATOR as _SIMULATOR
 from cuda_kernels.env import cuda as _cuda
@@ -41,7 +42,9 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
            epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
-    placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
+    placeholder int32 array). path: 'few', 'many', 'mma' (the tensor cores: int8-x weights,
+    cuda_kernels/qmma.py; 'many' takes it where it is faster) or None (by row count); every path
+    gives a row the same bits. epilogue: 'store',
     'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I]).
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
@@ -56,9 +59,20 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     int8_x = uses_int8_x(kind, w, group_size)
     if x_ready and not (int8_x and xq is not None and xs is not None):
         raise ValueError("matmul: x_ready needs xq and xs, and a weight that takes int8 x")
+    if path == "mma" and not int8_x:
+        raise ValueError(f"matmul: the tensor-core path takes int8-x affine weights, not {kind}")
     if int8_x:
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
+        in_features = w.shape[2] * _mm.PER_WORD[kind]
+        if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features)):
+            if grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
+                raise ValueError("matmul: the tensor-core path does not take expert-grouped rows")
+            mma = _qm.plan(rows)
+            grid, block = _qm.launch_shape(rows, out_features, mma, epilogue)
+            kernel = _qm.qmma_kernel(kind, mma, group_size // _qd.CHUNK, epilogue)
+            _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)
+            return
         variant = _qd.plan(rows, w.shape[1], path, grouped)
         kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
         grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
