@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as _np
 
 from cuda_kernels import attention as _attn
+from cuda_kernels import attention_tiled as _tiled
 from cuda_kernels import heads as _heads
 from cuda_kernels import kv as _kv
 from cuda_kernels import matmul as _mm
@@ -138,8 +139,12 @@ def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_widt
     return _attn.scratch_shape(rows, num_heads, head_dim, table_width, page_size)
 
 
+TILED_ATTENTION_MIN_ROWS = 16  # launches of at least this many rows may take the tiled kernel
+TILED_ATTENTION = False  # off until measured on a GPU (cuda_kernels/attention_tiled.py: same bits)
+
+
 def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: E501
-              *, scratch=None, int8_out=None) -> None:
+              *, scratch=None, int8_out=None, tiled=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
     kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
     (cuda_kernels/attention.py). scratch: float32 of attention.scratch_shape(rows, num_heads,
@@ -147,7 +152,9 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     int8_out = (q4_order, xq, xs): the combine also writes out's rows [rows, nh * hd] as int8 x
     (qdot.quantize_rows' bits; xq int8 [rows, nh * hd], xs f32 [rows, 2 * nh * hd / 32]; head_dim
     a multiple of 32). Rows run in slices of scratch.shape[0]; the grid depends only on shapes,
-    never on row_pos."""
+    never on row_pos. tiled: the partials from cuda_kernels/attention_tiled.py (a block of rows
+    shares each key tile; the same partials, so the same bits) where head_dim <= 128; None:
+    TILED_ATTENTION for launches of at least TILED_ATTENTION_MIN_ROWS rows."""
     rows, num_heads, head_dim = q.shape
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
@@ -164,11 +171,19 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
         if head_dim % _qd.CHUNK or tuple(int8_out[1].shape) != q_shape or tuple(int8_out[2].shape) != s_shape:
             raise ValueError(f"attention int8 output: head_dim {head_dim} (a multiple of {_qd.CHUNK}), expected "
                              f"{q_shape} and {s_shape}, got {int8_out[1].shape} and {int8_out[2].shape}")
+    wanted = TILED_ATTENTION and rows >= TILED_ATTENTION_MIN_ROWS if tiled is None else tiled
+    use_tiled = wanted and _attn.tile_for_head_dim(head_dim)[1] <= 128
+    if use_tiled:
+        kernel = _tiled.tiled_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
+        rows_blk = _tiled.rows_per_block(heads_blk, _attn.tile_for_head_dim(head_dim)[1])
     step = scratch.shape[0]
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
         pos = row_pos[r0 : r0 + n]
-        grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
+        if use_tiled:
+            grid = ((n + rows_blk - 1) // rows_blk, head_blocks, 1)
+        else:
+            grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
         args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
         _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, scratch)
         combine = (pos, scratch, out[r0 : r0 + n])
