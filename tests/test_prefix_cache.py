@@ -260,7 +260,7 @@ async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeyp
             return
         upto = -(-seq.num_computed // PAGE)
         for i in range(seq.num_published, min(upto, len(self.runs.pages(seq.lane)))):
-            self.runs.publish(seq.lane, i, self._page_key(seq, i), self._page_tokens(seq, i))
+            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i))
         seq.num_published = max(seq.num_published, upto)
 
     monkeypatch.setattr(Scheduler, "_publish_pages", publish_too_early)

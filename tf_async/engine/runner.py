@@ -39,6 +39,7 @@ class Arena:
         scales = np.ones((cfg.num_layers, 2), np.float32) if kv_scales is None else kv_scales
         self.kv_scales = ops.asarray(scales.astype(np.float32))
         self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
+        self.drafter_page_bytes = 0  # MTP slots kept beside the pages (drafters/page_slots.py)
 
     def add_drafter_region(self, region: Array) -> Array:  # region: [bytes] uint8
         """Attach the drafter areas' byte region; done once at engine start."""
@@ -46,10 +47,14 @@ class Arena:
         self.drafter_region = region
         return region
 
+    def add_drafter_pages(self, num_bytes: int) -> None:
+        """Count the drafter's memory kept beside the pages (allocated once, at start)."""
+        self.drafter_page_bytes += num_bytes
+
     @property
     def num_bytes(self) -> int:
         extra = 0 if self.drafter_region is None else int(self.drafter_region.nbytes)
-        return int(self.kv.nbytes) + extra
+        return int(self.kv.nbytes) + extra + self.drafter_page_bytes
 
 
 class Runner:

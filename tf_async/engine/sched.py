@@ -192,7 +192,7 @@ class Scheduler:
                        token_choices(seq, samples))
 
     # ---- prefix cache -----------------------------------------------------------------
-    def _page_key(self, seq: Sequence, page_index: int) -> bytes:
+    def page_key(self, seq: Sequence, page_index: int) -> bytes:
         """Chain key of the stream's page `page_index` (keys are computed once a stream)."""
         while len(seq.page_keys) <= page_index:
             i = len(seq.page_keys)
@@ -215,7 +215,7 @@ class Scheduler:
             return  # a hybrid's state continues only from a kept state, at its first cut
         found: list[int] = []
         for i in range(seq.num_computed // size, (seq.num_tokens - 1) // size):
-            page_id = cache.lookup(self._page_key(seq, i), self._page_tokens(seq, i))
+            page_id = cache.lookup(self.page_key(seq, i), self._page_tokens(seq, i))
             if page_id is None:
                 break
             found.append(page_id)
@@ -237,7 +237,7 @@ class Scheduler:
         if slots is None:
             return 0
         for count in range(num_pages, 0, -1):
-            slot = slots.lookup(self._page_key(seq, count - 1))
+            slot = slots.lookup(self.page_key(seq, count - 1))
             if slot is not None:
                 self._states_to_resume.append((slot, seq.lane))
                 slots.num_resumed += 1
@@ -251,7 +251,7 @@ class Scheduler:
         if (self.state_slots is None or lane is None or seq.num_computed == 0
                 or seq.num_computed % size or seq.num_redo or lane in self._lanes_to_restore):
             return
-        slot = self.state_slots.take(self._page_key(seq, seq.num_computed // size - 1))
+        slot = self.state_slots.take(self.page_key(seq, seq.num_computed // size - 1))
         if slot is not None:
             self._states_to_keep.append((lane, slot))
 
@@ -264,7 +264,7 @@ class Scheduler:
             return
         full = seq.num_computed // self.runs.page_size
         for i in range(seq.num_published, full):
-            self.runs.publish(seq.lane, i, self._page_key(seq, i), self._page_tokens(seq, i))
+            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i))
         seq.num_published = max(seq.num_published, full)
 
     def prefix_cache_stats(self) -> dict[str, int]:
