@@ -353,3 +353,93 @@ async def test_a_preempted_stream_resumes_from_its_own_cached_pages(tiny_llama) 
         fresh = await run(eng)
     assert cached == fresh
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_pages"] > 0
+
+
+# ---- hybrids: states every N pages, at each prompt's end, and at a stream's latest boundary --
+async def _chat_with_prompts(eng: Engine, turns: int, mode: str, seed: int, rewrite: bool
+                             ) -> list[tuple[list[int], int, int]]:
+    """As _chat; each turn's (output ids, cached prompt tokens, prompt length). `rewrite`: the
+    client sends each reply back changed (as chat templates that drop a reply's reasoning do),
+    so the next prompt shares only the previous prompt."""
+    history = _tokens(seed, 23)
+    out = []
+    for turn in range(turns):
+        prompt = history + _tokens(seed + 100 + turn, 5 + 3 * turn)
+        done = await eng.complete(prompt, **_sampling(mode, turn))
+        out.append((done.token_ids, done.usage.cached_tokens, len(prompt)))
+        reply = [(t + 1) % 300 for t in done.token_ids] if rewrite else done.token_ids
+        history = prompt + reply
+    return out
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+async def test_a_five_turn_hybrid_chat_resumes_past_the_first_prompt(hybrids, mode, rewrite) -> None:
+    """Turn k resumes at least from the last page boundary of turn k-1's prompt (a state is
+    kept there; the prompt's cuts stop there), so from turn 3 on more than turn 1's whole
+    prompt is reused; with replies sent back verbatim, also from the newest boundary the
+    reply's decoding reached. Outputs equal a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    async with Engine(ckpt, **OPTIONS) as eng:
+        resumed = await _chat_with_prompts(eng, 5, mode, 12, rewrite)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat_with_prompts(eng, 5, mode, 12, rewrite)
+    assert [t[0] for t in resumed] == [t[0] for t in fresh]
+    for k in range(1, 5):
+        previous_prompt = resumed[k - 1][2] // PAGE * PAGE
+        if rewrite:
+            assert resumed[k][1] == previous_prompt, resumed
+        else:
+            assert resumed[k][1] > previous_prompt, resumed
+    assert all(t[1] > resumed[0][2] for t in resumed[2:]), resumed
+    assert stats["prefix_states_resumed"] >= 4
+
+
+async def test_a_hybrid_stream_resumes_from_the_last_n_page_state_of_a_shared_prefix(hybrids) -> None:
+    """States every 2 pages: a stream sharing 27 tokens with an earlier prompt of 40 resumes
+    at 24 (the cuts of 16 rows stop at every 8th row), not at 16."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    first = _tokens(20, 40)
+    second = first[:27] + _tokens(21, 9)
+    options = {**OPTIONS, "prefix_state_pages": 2}
+
+    async def run(eng: Engine) -> list[tuple[list[int], int]]:
+        out = []
+        for prompt in (first, second):
+            done = await eng.complete(prompt, **_sampling("greedy", 0))
+            out.append((done.token_ids, done.usage.cached_tokens))
+        return out
+
+    async with Engine(ckpt, **options) as eng:
+        resumed = await run(eng)
+        await idle_stats(eng)
+    async with Engine(ckpt, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[1][1] == 24
+
+
+async def test_hybrid_streams_resume_mid_prompt_from_a_state_another_stream_kept(hybrids) -> None:
+    """Two streams with one long prefix admitted together, states every 8 rows, 12-row budget:
+    the first's cuts stop at each state (8 rows), the second's first cut takes the other 4 rows
+    (nothing is cached yet); from then on the second resumes mid-prompt from the states and
+    pages the first keeps. Outputs equal a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    prefix = _tokens(30, 70)
+    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    options = {**OPTIONS, "prefix_state_pages": 2, "step_tokens": 12}
+
+    async def run(eng: Engine) -> list[tuple[list[int], int]]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+                                      for i, p in enumerate(prompts)))
+        return [(d.token_ids, d.usage.cached_tokens) for d in done]
+
+    async with Engine(ckpt, **options) as eng:
+        resumed = await run(eng)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[0][1] == 0 and resumed[1][1] >= 24, resumed  # 4 of every 8 rows: not computed
+    assert stats["prefix_states_resumed"] > 0

@@ -77,8 +77,9 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
                           cache_identity=kv_identity(ckpt, options.kv_dtype, kv_scales))
     states = decoder.states
     if states is not None and runs.cache is not None:
-        states.add_prefix_slots(num_lanes)
-        scheduler.state_slots = StateSlots(num_lanes)
+        num_slots = options.num_prefix_states(num_lanes)
+        states.add_prefix_slots(num_slots)
+        scheduler.state_slots = StateSlots(num_slots, options.prefix_state_pages)
     runner = Runner(_maybe_graphs(decoder, options.cuda_graphs), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.drafter:

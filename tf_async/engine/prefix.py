@@ -108,13 +108,20 @@ class StateSlots:
     """Hybrids: recurrent states kept at page boundaries, by the key of the page they follow.
     Integers only: slot ids; the runner copies lane state <-> slot (RoundPlan.states_to_keep,
     states_to_resume). A resumed stream needs its pages cached and the state after the last
-    of them. Slots are reused least recently used first."""
+    of them. Slots are reused least recently used first; a slot a plan resumes from is pinned
+    until that plan is built (a keep in the same plan would overwrite it first).
 
-    def __init__(self, num_slots: int) -> None:
+    Which boundaries (sched._keep_state): every `every_pages` pages and each prompt's last page
+    boundary (prompt cuts stop there), plus one moving state a stream: the newest other
+    boundary it reached (a decode round's), which replaces that stream's previous one."""
+
+    def __init__(self, num_slots: int, every_pages: int) -> None:
         self.num_slots = num_slots
+        self.every_pages = every_pages
         self._slot_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self._pinned: set[int] = set()
         self.num_kept = 0
         self.num_resumed = 0
 
@@ -124,12 +131,24 @@ class StateSlots:
             self._lru.move_to_end(slot)
         return slot
 
-    def take(self, key: bytes) -> int | None:
-        """A slot for the state after the page of `key` (the least recently used one, its
-        old state forgotten), or None when that state is kept already."""
-        if key in self._slot_of or not self._lru:
+    def pin(self, slot: int) -> None:
+        self._pinned.add(slot)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    def take(self, key: bytes, replacing: bytes | None = None) -> int | None:
+        """A slot for the state after the page of `key`, or None when that state is kept
+        already (or every slot is pinned). The slot of `replacing` when it is still kept (a
+        stream's moving state), else the least recently used one; its old state is forgotten."""
+        if key in self._slot_of:
             return None
-        slot, _ = self._lru.popitem(last=False)
+        slot = self._slot_of.get(replacing) if replacing is not None else None
+        if slot is None or slot in self._pinned:
+            slot = next((s for s in self._lru if s not in self._pinned), None)
+            if slot is None:
+                return None
+        del self._lru[slot]
         old = self._key_of.pop(slot, None)
         if old is not None:
             del self._slot_of[old]

@@ -86,6 +86,8 @@ class Scheduler:
         self._lanes_to_restore.clear()
         self._states_to_keep.clear()
         self._states_to_resume.clear()
+        if self.state_slots is not None:
+            self.state_slots.unpin_all()
         return plan
 
     def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
@@ -176,7 +178,7 @@ class Scheduler:
         lane = seq.lane
         assert lane is not None
         self._reuse_prefix(seq)
-        num_rows = min(seq.num_pending, budget)
+        num_rows = min(seq.num_pending, budget, self._rows_to_next_state(seq))
         if self.runs.paging:
             room = (len(self.runs.pages(lane)) + self.runs.num_available) * self.runs.page_size
             num_rows = min(num_rows, room - seq.num_computed)
@@ -207,51 +209,83 @@ class Scheduler:
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Before a prompt cut whose run ends on a page boundary: take the cached pages that
-        continue the stream's tokens (never its last token: its logits are needed)."""
+        continue the stream's tokens (never its last token: its logits are needed). Hybrids
+        take them only up to a kept state (the lane continues from that state)."""
         cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
         if cache is None or lane is None or len(self.runs.pages(lane)) * size != seq.num_computed:
             return
-        if self.recurrent and seq.num_computed > 0:
-            return  # a hybrid's state continues only from a kept state, at its first cut
+        first = seq.num_computed // size
         found: list[int] = []
-        for i in range(seq.num_computed // size, (seq.num_tokens - 1) // size):
+        for i in range(first, (seq.num_tokens - 1) // size):
             page_id = cache.lookup(self.page_key(seq, i), self._page_tokens(seq, i))
             if page_id is None:
                 break
             found.append(page_id)
         if self.recurrent:
-            found = found[:self._resume_state(seq, len(found))]
+            found = found[:self._resume_state(seq, first, len(found))]
         if found:
             self.runs.share(lane, found)
             cache.num_hit_pages += len(found)
-            if seq.num_computed == 0:
-                seq.num_cached_tokens = min(len(found) * size, len(seq.prompt_ids))
+            if seq.num_computed == 0:  # (a preempted stream counts its last admission)
+                seq.num_cached_tokens = 0
+            prompt_left = max(0, len(seq.prompt_ids) - seq.num_computed)
+            seq.num_cached_tokens += min(len(found) * size, prompt_left)
             seq.num_computed += len(found) * size
             seq.num_published = len(self.runs.pages(lane))
 
-    def _resume_state(self, seq: Sequence, num_pages: int) -> int:
-        """Hybrids: the most cached pages (<= num_pages) after which a state is kept; the
-        lane resumes from that state (plan.states_to_resume). 0: none, start from zero."""
+    def _resume_state(self, seq: Sequence, first: int, num_pages: int) -> int:
+        """Hybrids: the most cached pages past the run's `first` pages (<= num_pages) after
+        which a state is kept; the lane resumes from that state (plan.states_to_resume).
+        0: none, the lane keeps its own state (zero at a stream's start)."""
         assert seq.lane is not None
         slots = self.state_slots
         if slots is None:
             return 0
         for count in range(num_pages, 0, -1):
-            slot = slots.lookup(self.page_key(seq, count - 1))
+            slot = slots.lookup(self.page_key(seq, first + count - 1))
             if slot is not None:
+                slots.pin(slot)
                 self._states_to_resume.append((slot, seq.lane))
                 slots.num_resumed += 1
                 return count
         return 0
 
+    def _is_state_point(self, seq: Sequence, pos: int) -> bool:
+        """Hybrids: boundaries whose state is kept for good: every N pages, and the last page
+        boundary of the stream's prompt."""
+        assert self.state_slots is not None
+        size = self.runs.page_size
+        every = self.state_slots.every_pages * size
+        return pos % every == 0 or pos == len(seq.prompt_ids) // size * size
+
+    def _rows_to_next_state(self, seq: Sequence) -> int:
+        """Hybrids with kept states: a prompt cut stops at the next state point, so the state
+        there can be kept after the round (else the cut may take every pending row)."""
+        if self.state_slots is None:
+            return seq.num_pending
+        size = self.runs.page_size
+        every = self.state_slots.every_pages * size
+        stop = (seq.num_computed // every + 1) * every
+        prompt_end = len(seq.prompt_ids) // size * size
+        if seq.num_computed < prompt_end:
+            stop = min(stop, prompt_end)
+        return stop - seq.num_computed
+
     def _keep_state(self, seq: Sequence) -> None:
         """Hybrids: after a round that left the stream's state exactly at a page boundary
-        (no rollback pending), keep a copy of it for streams that resume from there."""
-        lane, size = seq.lane, self.runs.page_size
-        if (self.state_slots is None or lane is None or seq.num_computed == 0
+        (no rollback pending), keep a copy of it for streams that resume from there: for good
+        at a state point, else as the stream's one moving state."""
+        lane, size, slots = seq.lane, self.runs.page_size, self.state_slots
+        if (slots is None or lane is None or seq.num_computed == 0
                 or seq.num_computed % size or seq.num_redo or lane in self._lanes_to_restore):
             return
-        slot = self.state_slots.take(self.page_key(seq, seq.num_computed // size - 1))
+        key = self.page_key(seq, seq.num_computed // size - 1)
+        if self._is_state_point(seq, seq.num_computed):
+            slot = slots.take(key)
+        else:
+            slot = slots.take(key, replacing=seq.moving_state_key)
+            if slot is not None:
+                seq.moving_state_key = key
         if slot is not None:
             self._states_to_keep.append((lane, slot))
 
