@@ -174,3 +174,22 @@ async def test_an_mtp_ring_not_rebuilt_from_the_kept_slots_is_caught(hybrid, mon
         hybrid, {**OPTIONS, "drafter": "mtp"}, lambda eng: _chat(eng, 3, "greedy", seed=3))
     assert [t[0] for t in resumed] == [t[0] for t in fresh]
     assert _differing(seen, fresh_seen)[1] > 0
+
+
+async def test_an_mtp_ring_is_rebuilt_when_a_hybrid_resumes_mid_prompt(hybrid) -> None:
+    """Two streams with one long prefix admitted together (states every 8 rows, 12-row budget):
+    the second computes its first 4 rows itself, then resumes mid-prompt from the first's pages
+    and states; its MTP ring is rebuilt from its own pages and the first's."""
+    prefix = _tokens(30, 70)
+    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    options = {**OPTIONS, "drafter": "mtp", "prefix_state_pages": 2, "step_tokens": 12}
+
+    async def run(eng: Engine) -> list[Turn]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+                                      for i, p in enumerate(prompts)))
+        return [_turn(d) for d in done]
+
+    resumed, fresh, seen, fresh_seen, stats = await _both(hybrid, options, run)
+    _assert_same_drafting(resumed, fresh, seen, fresh_seen)
+    assert resumed[1][1] >= 24 and stats["prefix_states_resumed"] > 0
+    assert [t[2:] for t in resumed] == [t[2:] for t in fresh]
