@@ -76,6 +76,14 @@ class Runner:
             ids = self.ops.asarray(np.asarray(page_ids, dtype=np.int32))
             self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
 
+    def copy_rows(self, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Rows [0, rows) of page `source` into page `page`, every layer (prefix cache: the
+        partial last page of a shared prefix). Bytes as stored: same KV dtype and scales."""
+        size, kv = self.arena.page_size, self.arena.kv
+        for source, page, num_rows in copies:
+            kv[:, :, page * size: page * size + num_rows] = \
+                kv[:, :, source * size: source * size + num_rows]
+
     def prepare_lanes(self, plan: RoundPlan) -> None:
         """Kept states are copied out first; rolled-back lanes get their saved state; newly
         opened lanes start from zero state (after the restores: a lane released and opened
@@ -104,6 +112,7 @@ class Runner:
         """Run the round; if it fails, run each stream alone so one bad request fails alone."""
         self.prepare_lanes(plan)
         self.zero_pages(plan.pages_to_zero)
+        self.copy_rows(plan.page_copies)
         saved = self.save_states(plan.rows)
         self._state_touched = False
         try:

@@ -44,6 +44,8 @@ class Scheduler:
         self.state_slots: StateSlots | None = None  # hybrids with a prefix cache (build)
         self._states_to_keep: list[tuple[int, int]] = []  # (lane, slot) since the last plan
         self._states_to_resume: list[tuple[int, int]] = []  # (slot, lane)
+        self._page_copies: list[tuple[int, int, int]] = []  # (source, page, rows) this plan
+        self._copy_sources: list[int] = []  # cached pages held until the copies have run
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -70,6 +72,7 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> RoundPlan:
         self.round_index += 1
+        self._drop_copy_sources()  # the last plan's copies have run (or it failed)
         pages_to_zero: list[int] = []
         while True:
             self._admit(pages_to_zero)
@@ -81,7 +84,8 @@ class Scheduler:
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
                          tuple(sorted(self._lanes_to_restore)), tuple(self._states_to_keep),
-                         tuple(self._states_to_resume), steps)
+                         tuple(self._states_to_resume), steps, tuple(self._page_copies))
+        self._page_copies.clear()
         self._lanes_to_zero.clear()
         self._lanes_to_restore.clear()
         self._states_to_keep.clear()
@@ -177,7 +181,7 @@ class Scheduler:
     def _prompt_cut(self, seq: Sequence, budget: int, pages_to_zero: list[int]) -> SeqRows | None:
         lane = seq.lane
         assert lane is not None
-        self._reuse_prefix(seq)
+        self._reuse_prefix(seq, pages_to_zero)
         num_rows = min(seq.num_pending, budget, self._rows_to_next_state(seq))
         if self.runs.paging:
             room = (len(self.runs.pages(lane)) + self.runs.num_available) * self.runs.page_size
@@ -207,10 +211,17 @@ class Scheduler:
         size = self.runs.page_size
         return tuple(seq.token_slice(page_index * size, (page_index + 1) * size))
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
+    def _prev_key(self, seq: Sequence, page_index: int) -> bytes:
+        """The key before the stream's page `page_index` (the root before the first page)."""
+        if page_index == 0:
+            return root_key(self.cache_identity, seq.cache_salt)
+        return self.page_key(seq, page_index - 1)
+
+    def _reuse_prefix(self, seq: Sequence, pages_to_zero: list[int]) -> None:
         """Before a prompt cut whose run ends on a page boundary: take the cached pages that
         continue the stream's tokens (never its last token: its logits are needed). Hybrids
-        take them only up to a kept state (the lane continues from that state)."""
+        take them only up to a kept state (the lane continues from that state); dense models
+        then copy the rows of a cached page that continue further (_copy_rows)."""
         cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
         if cache is None or lane is None or len(self.runs.pages(lane)) * size != seq.num_computed:
             return
@@ -232,6 +243,42 @@ class Scheduler:
             seq.num_cached_tokens += min(len(found) * size, prompt_left)
             seq.num_computed += len(found) * size
             seq.num_published = len(self.runs.pages(lane))
+        if not self.recurrent:
+            self._copy_rows(seq, pages_to_zero)
+
+    def _copy_rows(self, seq: Sequence, pages_to_zero: list[int]) -> None:
+        """Dense models, run on a page boundary: rows of a cached page (a closed stream's
+        partial last page, or a page that goes on differently) that continue the stream's
+        tokens are copied into a new page of the run instead of computed (plan.page_copies).
+        The source is held until the copy has run, so nothing evicts or zeroes it first."""
+        cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
+        assert cache is not None and lane is not None
+        start = seq.num_computed
+        stop = min(start + size, seq.num_tokens - 1)  # the last token is computed (its logits)
+        if stop <= start:
+            return
+        found = cache.lookup_rows(self._prev_key(seq, start // size),
+                                  tuple(seq.token_slice(start, stop)))
+        if found is None:
+            return
+        source, num_rows = found
+        cache.hold(source)  # before the reserve: it must not evict the source
+        new_pages = self.runs.reserve(lane, start + num_rows)
+        if not new_pages:
+            cache.drop(source)
+            return
+        self._copy_sources.append(source)
+        pages_to_zero.extend(new_pages)
+        self._page_copies.append((source, new_pages[0], num_rows))
+        cache.num_copied_rows += num_rows
+        seq.num_cached_tokens += min(num_rows, max(0, len(seq.prompt_ids) - start))
+        seq.num_computed += num_rows
+
+    def _drop_copy_sources(self) -> None:
+        if self.runs.cache is not None:
+            for page_id in self._copy_sources:
+                self.runs.cache.drop(page_id)
+        self._copy_sources.clear()
 
     def _resume_state(self, seq: Sequence, first: int, num_pages: int) -> int:
         """Hybrids: the most cached pages past the run's `first` pages (<= num_pages) after
@@ -298,8 +345,18 @@ class Scheduler:
             return
         full = seq.num_computed // self.runs.page_size
         for i in range(seq.num_published, full):
-            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i))
+            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i),
+                              self._prev_key(seq, i))
         seq.num_published = max(seq.num_published, full)
+
+    def _publish_partial(self, seq: Sequence) -> None:
+        """Dense models, as the run closes: the committed rows of its partial last page."""
+        size = self.runs.page_size
+        if self.runs.cache is None or seq.lane is None or self.recurrent or not seq.num_computed % size:
+            return
+        page_index = seq.num_computed // size
+        tokens = tuple(seq.token_slice(page_index * size, seq.num_computed))
+        self.runs.publish_partial(seq.lane, page_index, tokens, self._prev_key(seq, page_index))
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return self.runs.cache.stats() if self.runs.cache is not None else {}
@@ -317,14 +374,35 @@ class Scheduler:
         if seq.lane is not None:
             if not failed:  # its committed rows stay useful to later streams
                 self._publish_pages(seq)
+                self._publish_partial(seq)
                 self._keep_state(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
+            released = self.runs.pages(seq.lane)
             self.lanes.release(seq.lane)
+            self._drop_copies_into(released)
             seq.lane = None
             seq.num_published = 0
 
+    def _drop_copies_into(self, released: list[int]) -> None:
+        """A planned copy into a page of a released run runs only if the page stayed cached
+        (it is then that page's content: held, like a source, until the copy has run); a page
+        back in the pool may be anyone's next."""
+        cache = self.runs.cache
+        if cache is None or not self._page_copies:
+            return
+        kept = []
+        for copy in self._page_copies:
+            if copy[1] not in released:
+                kept.append(copy)
+            elif cache.is_cached(copy[1]):
+                cache.hold(copy[1])
+                self._copy_sources.append(copy[1])
+                kept.append(copy)
+        self._page_copies[:] = kept
+
     # ---- update -------------------------------------------------------------------------
     def update(self, plan: RoundPlan, result: RoundResult) -> list[TokenEvent]:
+        self._drop_copy_sources()
         events: list[TokenEvent] = []
         by_id = {s.request_id: s for s in self.running}
         for rows in plan.rows:

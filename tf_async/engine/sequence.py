@@ -116,6 +116,9 @@ class RoundPlan:
     # runs `steps` forwards in a row, step k at start_pos + k on the token chosen at step
     # k - 1 (fed where it was chosen: on the device, no host round trip between steps).
     steps: int = 1
+    # Prefix cache (dense): (source page, page, rows): rows [0, rows) of a cached page copied
+    # into the same rows of a run's new page, after pages_to_zero and before the forward
+    page_copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
