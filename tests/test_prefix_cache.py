@@ -18,7 +18,7 @@ from tf_async import BadInputError, Engine
 from tf_async.engine.build import kv_identity
 from tf_async.engine.pages import Runs
 from tf_async.engine.prefix import next_key, root_key
-from tf_async.engine.sched import Scheduler
+from tf_async.engine.prefix_plan import PrefixPlanner
 from tf_async.engine.sequence import RoundPlan
 
 PAGE = 4
@@ -260,7 +260,7 @@ async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama
 
 
 async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeypatch) -> None:
-    def publish_too_early(self: Scheduler, seq: Any) -> None:  # a partial page offered as full
+    def publish_too_early(self: PrefixPlanner, seq: Any) -> None:  # a partial page offered as full
         if self.runs.cache is None or seq.lane is None:
             return
         upto = -(-seq.num_computed // PAGE)
@@ -269,7 +269,7 @@ async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeyp
                               self._prev_key(seq, i))
         seq.num_published = max(seq.num_published, upto)
 
-    monkeypatch.setattr(Scheduler, "_publish_pages", publish_too_early)
+    monkeypatch.setattr(PrefixPlanner, "publish_pages", publish_too_early)
     async with Engine(tiny_llama, **OPTIONS) as eng:
         assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) != []
 

@@ -79,7 +79,7 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
     if states is not None and runs.cache is not None:
         num_slots = options.num_prefix_states(num_lanes)
         states.add_prefix_slots(num_slots)
-        scheduler.state_slots = StateSlots(num_slots, options.prefix_state_pages)
+        scheduler.prefix.state_slots = StateSlots(num_slots, options.prefix_state_pages)
     runner = Runner(_maybe_graphs(decoder, options.cuda_graphs), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.drafter:

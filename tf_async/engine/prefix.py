@@ -160,7 +160,7 @@ class StateSlots:
     of them. Slots are reused least recently used first; a slot a plan resumes from is pinned
     until that plan is built (a keep in the same plan would overwrite it first).
 
-    Which boundaries (sched._keep_state): every `every_pages` pages and each prompt's last page
+    Which boundaries (prefix_plan.keep_state): every `every_pages` pages and each prompt's last page
     boundary (prompt cuts stop there), plus one moving state a stream: the newest other
     boundary it reached (a decode round's), which replaces that stream's previous one."""
 

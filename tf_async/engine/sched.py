@@ -18,7 +18,7 @@ from .choice import token_choices
 from .drafting import Drafter, zero_stats
 from .grammar import TokenMask
 from .lanes import Lanes
-from .prefix import StateSlots, next_key, root_key
+from .prefix_plan import PrefixPlanner
 from .sampling import adjust_logits, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
@@ -32,7 +32,6 @@ class Scheduler:
         self.runs = lanes.runs
         self.step_tokens = step_tokens
         self.ctx = ctx
-        self.cache_identity = cache_identity  # what else makes a page's KV (prefix.root_key)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.round_index = 0
@@ -41,11 +40,7 @@ class Scheduler:
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafters/registry.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
         self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
-        self.state_slots: StateSlots | None = None  # hybrids with a prefix cache (build)
-        self._states_to_keep: list[tuple[int, int]] = []  # (lane, slot) since the last plan
-        self._states_to_resume: list[tuple[int, int]] = []  # (slot, lane)
-        self._page_copies: list[tuple[int, int, int]] = []  # (source, page, rows) this plan
-        self._copy_sources: list[int] = []  # cached pages held until the copies have run
+        self.prefix = PrefixPlanner(lanes.runs, cache_identity=cache_identity, recurrent=recurrent)
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -72,7 +67,7 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> RoundPlan:
         self.round_index += 1
-        self._drop_copy_sources()  # the last plan's copies have run (or it failed)
+        self.prefix.drop_copy_sources()  # the last plan's copies have run (or it failed)
         pages_to_zero: list[int] = []
         while True:
             self._admit(pages_to_zero)
@@ -82,16 +77,11 @@ class Scheduler:
             self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
         steps = self._steps_for(rows, pages_to_zero)
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
+        keep, resume, copies = self.prefix.take_plan_parts()
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
-                         tuple(sorted(self._lanes_to_restore)), tuple(self._states_to_keep),
-                         tuple(self._states_to_resume), steps, tuple(self._page_copies))
-        self._page_copies.clear()
+                         tuple(sorted(self._lanes_to_restore)), keep, resume, steps, copies)
         self._lanes_to_zero.clear()
         self._lanes_to_restore.clear()
-        self._states_to_keep.clear()
-        self._states_to_resume.clear()
-        if self.state_slots is not None:
-            self.state_slots.unpin_all()
         return plan
 
     def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
@@ -181,8 +171,8 @@ class Scheduler:
     def _prompt_cut(self, seq: Sequence, budget: int, pages_to_zero: list[int]) -> SeqRows | None:
         lane = seq.lane
         assert lane is not None
-        self._reuse_prefix(seq, pages_to_zero)
-        num_rows = min(seq.num_pending, budget, self._rows_to_next_state(seq))
+        self.prefix.reuse(seq, pages_to_zero)
+        num_rows = min(seq.num_pending, budget, self.prefix.rows_to_next_state(seq))
         if self.runs.paging:
             room = (len(self.runs.pages(lane)) + self.runs.num_available) * self.runs.page_size
             num_rows = min(num_rows, room - seq.num_computed)
@@ -197,169 +187,12 @@ class Scheduler:
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, samples, (),
                        token_choices(seq, samples))
 
-    # ---- prefix cache -----------------------------------------------------------------
-    def page_key(self, seq: Sequence, page_index: int) -> bytes:
-        """Chain key of the stream's page `page_index` (keys are computed once a stream)."""
-        while len(seq.page_keys) <= page_index:
-            i = len(seq.page_keys)
-            previous = seq.page_keys[-1] if seq.page_keys else root_key(self.cache_identity,
-                                                                        seq.cache_salt)
-            seq.page_keys.append(next_key(previous, self._page_tokens(seq, i)))
-        return seq.page_keys[page_index]
-
-    def _page_tokens(self, seq: Sequence, page_index: int) -> tuple[int, ...]:
-        size = self.runs.page_size
-        return tuple(seq.token_slice(page_index * size, (page_index + 1) * size))
-
-    def _prev_key(self, seq: Sequence, page_index: int) -> bytes:
-        """The key before the stream's page `page_index` (the root before the first page)."""
-        if page_index == 0:
-            return root_key(self.cache_identity, seq.cache_salt)
-        return self.page_key(seq, page_index - 1)
-
-    def _reuse_prefix(self, seq: Sequence, pages_to_zero: list[int]) -> None:
-        """Before a prompt cut whose run ends on a page boundary: take the cached pages that
-        continue the stream's tokens (never its last token: its logits are needed). Hybrids
-        take them only up to a kept state (the lane continues from that state); dense models
-        then copy the rows of a cached page that continue further (_copy_rows)."""
-        cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
-        if cache is None or lane is None or len(self.runs.pages(lane)) * size != seq.num_computed:
-            return
-        first = seq.num_computed // size
-        found: list[int] = []
-        for i in range(first, (seq.num_tokens - 1) // size):
-            page_id = cache.lookup(self.page_key(seq, i), self._page_tokens(seq, i))
-            if page_id is None:
-                break
-            found.append(page_id)
-        if self.recurrent:
-            found = found[:self._resume_state(seq, first, len(found))]
-        if found:
-            self.runs.share(lane, found)
-            cache.num_hit_pages += len(found)
-            if seq.num_computed == 0:  # (a preempted stream counts its last admission)
-                seq.num_cached_tokens = 0
-            prompt_left = max(0, len(seq.prompt_ids) - seq.num_computed)
-            seq.num_cached_tokens += min(len(found) * size, prompt_left)
-            seq.num_computed += len(found) * size
-            seq.num_published = len(self.runs.pages(lane))
-        if not self.recurrent:
-            self._copy_rows(seq, pages_to_zero)
-
-    def _copy_rows(self, seq: Sequence, pages_to_zero: list[int]) -> None:
-        """Dense models, run on a page boundary: rows of a cached page (a closed stream's
-        partial last page, or a page that goes on differently) that continue the stream's
-        tokens are copied into a new page of the run instead of computed (plan.page_copies).
-        The source is held until the copy has run, so nothing evicts or zeroes it first."""
-        cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
-        assert cache is not None and lane is not None
-        start = seq.num_computed
-        stop = min(start + size, seq.num_tokens - 1)  # the last token is computed (its logits)
-        if stop <= start:
-            return
-        found = cache.lookup_rows(self._prev_key(seq, start // size),
-                                  tuple(seq.token_slice(start, stop)))
-        if found is None:
-            return
-        source, num_rows = found
-        cache.hold(source)  # before the reserve: it must not evict the source
-        new_pages = self.runs.reserve(lane, start + num_rows)
-        if not new_pages:
-            cache.drop(source)
-            return
-        self._copy_sources.append(source)
-        pages_to_zero.extend(new_pages)
-        self._page_copies.append((source, new_pages[0], num_rows))
-        cache.num_copied_rows += num_rows
-        seq.num_cached_tokens += min(num_rows, max(0, len(seq.prompt_ids) - start))
-        seq.num_computed += num_rows
-
-    def _drop_copy_sources(self) -> None:
-        if self.runs.cache is not None:
-            for page_id in self._copy_sources:
-                self.runs.cache.drop(page_id)
-        self._copy_sources.clear()
-
-    def _resume_state(self, seq: Sequence, first: int, num_pages: int) -> int:
-        """Hybrids: the most cached pages past the run's `first` pages (<= num_pages) after
-        which a state is kept; the lane resumes from that state (plan.states_to_resume).
-        0: none, the lane keeps its own state (zero at a stream's start)."""
-        assert seq.lane is not None
-        slots = self.state_slots
-        if slots is None:
-            return 0
-        for count in range(num_pages, 0, -1):
-            slot = slots.lookup(self.page_key(seq, first + count - 1))
-            if slot is not None:
-                slots.pin(slot)
-                self._states_to_resume.append((slot, seq.lane))
-                slots.num_resumed += 1
-                return count
-        return 0
-
-    def _is_state_point(self, seq: Sequence, pos: int) -> bool:
-        """Hybrids: boundaries whose state is kept for good: every N pages, and the last page
-        boundary of the stream's prompt."""
-        assert self.state_slots is not None
-        size = self.runs.page_size
-        every = self.state_slots.every_pages * size
-        return pos % every == 0 or pos == len(seq.prompt_ids) // size * size
-
-    def _rows_to_next_state(self, seq: Sequence) -> int:
-        """Hybrids with kept states: a prompt cut stops at the next state point, so the state
-        there can be kept after the round (else the cut may take every pending row)."""
-        if self.state_slots is None:
-            return seq.num_pending
-        size = self.runs.page_size
-        every = self.state_slots.every_pages * size
-        stop = (seq.num_computed // every + 1) * every
-        prompt_end = len(seq.prompt_ids) // size * size
-        if seq.num_computed < prompt_end:
-            stop = min(stop, prompt_end)
-        return stop - seq.num_computed
-
     def _keep_state(self, seq: Sequence) -> None:
-        """Hybrids: after a round that left the stream's state exactly at a page boundary
-        (no rollback pending), keep a copy of it for streams that resume from there: for good
-        at a state point, else as the stream's one moving state."""
-        lane, size, slots = seq.lane, self.runs.page_size, self.state_slots
-        if (slots is None or lane is None or seq.num_computed == 0
-                or seq.num_computed % size or seq.num_redo or lane in self._lanes_to_restore):
-            return
-        key = self.page_key(seq, seq.num_computed // size - 1)
-        if self._is_state_point(seq, seq.num_computed):
-            slot = slots.take(key)
-        else:
-            slot = slots.take(key, replacing=seq.moving_state_key)
-            if slot is not None:
-                seq.moving_state_key = key
-        if slot is not None:
-            self._states_to_keep.append((lane, slot))
-
-    def prefix_state_stats(self) -> dict[str, int]:
-        return self.state_slots.stats() if self.state_slots is not None else {}
-
-    def _publish_pages(self, seq: Sequence) -> None:
-        """Offer the run's newly full pages (every row committed) to the prefix cache."""
-        if self.runs.cache is None or seq.lane is None:
-            return
-        full = seq.num_computed // self.runs.page_size
-        for i in range(seq.num_published, full):
-            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i),
-                              self._prev_key(seq, i))
-        seq.num_published = max(seq.num_published, full)
-
-    def _publish_partial(self, seq: Sequence) -> None:
-        """Dense models, as the run closes: the committed rows of its partial last page."""
-        size = self.runs.page_size
-        if self.runs.cache is None or seq.lane is None or self.recurrent or not seq.num_computed % size:
-            return
-        page_index = seq.num_computed // size
-        tokens = tuple(seq.token_slice(page_index * size, seq.num_computed))
-        self.runs.publish_partial(seq.lane, page_index, tokens, self._prev_key(seq, page_index))
+        lane = seq.lane
+        self.prefix.keep_state(seq, rolled_back=lane is not None and lane in self._lanes_to_restore)
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        return self.runs.cache.stats() if self.runs.cache is not None else {}
+        return {**self.prefix.cache_stats(), **self.prefix.state_stats()}
 
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
@@ -373,36 +206,19 @@ class Scheduler:
     def _release(self, seq: Sequence, *, failed: bool = False) -> None:
         if seq.lane is not None:
             if not failed:  # its committed rows stay useful to later streams
-                self._publish_pages(seq)
-                self._publish_partial(seq)
+                self.prefix.publish_pages(seq)
+                self.prefix.publish_partial(seq)
                 self._keep_state(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             released = self.runs.pages(seq.lane)
             self.lanes.release(seq.lane)
-            self._drop_copies_into(released)
+            self.prefix.drop_copies_into(released)
             seq.lane = None
             seq.num_published = 0
 
-    def _drop_copies_into(self, released: list[int]) -> None:
-        """A planned copy into a page of a released run runs only if the page stayed cached
-        (it is then that page's content: held, like a source, until the copy has run); a page
-        back in the pool may be anyone's next."""
-        cache = self.runs.cache
-        if cache is None or not self._page_copies:
-            return
-        kept = []
-        for copy in self._page_copies:
-            if copy[1] not in released:
-                kept.append(copy)
-            elif cache.is_cached(copy[1]):
-                cache.hold(copy[1])
-                self._copy_sources.append(copy[1])
-                kept.append(copy)
-        self._page_copies[:] = kept
-
     # ---- update -------------------------------------------------------------------------
     def update(self, plan: RoundPlan, result: RoundResult) -> list[TokenEvent]:
-        self._drop_copy_sources()
+        self.prefix.drop_copy_sources()
         events: list[TokenEvent] = []
         by_id = {s.request_id: s for s in self.running}
         for rows in plan.rows:
@@ -422,7 +238,7 @@ class Scheduler:
                 events.append(self._accept(seq, rows, result))
             elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
                 self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
-            self._publish_pages(seq)
+            self.prefix.publish_pages(seq)
             self._keep_state(seq)
         return events
 

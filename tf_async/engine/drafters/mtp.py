@@ -209,7 +209,7 @@ def make_mtp_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint
     drafter = MtpDrafter(head, runner.ops.asarray(scales), contexts, options.draft_tokens)
     if scheduler.runs.cache is not None:  # resumed streams rebuild their rings from the pages
         drafter.page_slots = make_page_slots(
-            runner.ops, scheduler.runs, scheduler.page_key, num_kv_heads=layout.num_kv_heads,
+            runner.ops, scheduler.runs, scheduler.prefix.page_key, num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim, hidden_size=layout.hidden_size,
             ring_dtype=KV_NP_DTYPE[options.kv_dtype])
         runner.arena.add_drafter_pages(drafter.page_slots.num_bytes)
