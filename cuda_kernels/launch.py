@@ -17,6 +17,7 @@ from cuda_kernels import matmul as _mm
 from cuda_kernels import moe as _moe
 from cuda_kernels import norm as _norm
 from cuda_kernels import qdot as _qd
+from cuda_kernels import qmma as _qm
 from cuda_kernels import sampling as _smp
 from cuda_kernels.env import SIMULATOR as _SIMULATOR
 from cuda_kernels.env import cuda as _cuda
@@ -59,6 +60,12 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     if int8_x:
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
+        if path == "many" and not grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
+            mma = _qm.plan(rows)
+            grid, block = _qm.launch_shape(rows, out_features, mma, epilogue)
+            kernel = _qm.qmma_kernel(kind, mma, group_size // _qd.CHUNK, epilogue)
+            _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)
+            return
         variant = _qd.plan(rows, w.shape[1], path, grouped)
         kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
         grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)

@@ -194,6 +194,32 @@ def check_matmul(rng: np.random.Generator) -> None:
     for case in matmul_cases(rng, rows=7, out_f=5):
         _check_matmul_invariance(*case)
     _check_full_steps(rng)
+    _check_tensor_core_matmul(rng)
+
+
+def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
+    """The many-rows path of int8-x weights (cuda_kernels/qmma.py, mma emulated) gives the
+    few-rows path's bits (cuda_kernels/qdot.py) for every epilogue, at chunk counts that leave
+    some warps without a last chunk, a partial feature block and a partial row block, and at
+    more than 32 rows (the prompt-sized tiles)."""
+    from cuda_kernels import launch
+
+    for kind, bits, in_f, gs, out_f, rows, epilogue in (
+        ("q8", 8, 1088, 32, 19, 5, "store"), ("q4", 4, 1280, 64, 34, 11, "swiglu"),
+        ("q4", 4, 352, 32, 9, 3, "add"), ("q4", 4, 128, 128, 17, 37, "store"),
+    ):
+        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, bits, gs)
+        x = rng.standard_normal((rows, in_f)).astype(np.float32)
+        width = out_f // 2 if epilogue == "swiglu" else out_f
+        start = rng.standard_normal((rows, width)).astype(np.float32)
+        outs = {}
+        for path in ("few", "many"):
+            outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
+            launch.matmul(kind, x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
+                          epilogue=epilogue)
+        assert np.array_equal(outs["few"], outs["many"]), (kind, in_f, epilogue)
+        if epilogue == "store":
+            assert rel_err(outs["many"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:

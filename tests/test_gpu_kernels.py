@@ -71,6 +71,39 @@ def test_affine_matmul_paths_and_batch_invariance(ops, rng, kind, bits) -> None:
 
 
 @pytest.mark.parametrize("kind,bits,gs", [("q4", 4, 64), ("q8", 8, 32)])
+def test_tensor_core_rows_are_bit_identical_at_every_row_count(ops, rng, kind, bits, gs) -> None:
+    """Rows through the tensor cores (cuda_kernels/qmma.py, 3+ rows) give the bits of the same
+    rows alone (qdot's one-row kernel) at 1, 7, 64, 512 and 2048 rows a launch."""
+    in_f, out_f = 4096, 1040  # not a whole number of 32-feature blocks
+    codes, scales, biases, deq = ref.affine_weight(rng, 1, out_f, in_f, bits, gs)
+    x = rng.standard_normal((2048, in_f)).astype(np.float32)
+    parts = (codes, scales, biases)
+    full = _matmul(ops, kind, x, parts, gs)
+    assert ref.rel_err(full, ref.affine_x_ref(x, gs) @ deq[0].T) < MATMUL_BOUND
+    for rows in (1, 7, 64, 512):
+        start = int(rng.integers(0, 2048 - rows))
+        assert np.array_equal(_matmul(ops, kind, x[start : start + rows], parts, gs), full[start : start + rows]), rows
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "add"])
+def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue) -> None:
+    from cuda_kernels import launch
+
+    in_f, out_f, gs, rows = 4096, 3000, 64, 45
+    codes, scales, biases, _ = ref.affine_weight(rng, 1, out_f, in_f, 4, gs)
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    width = out_f // 2 if epilogue == "swiglu" else out_f
+    start = rng.standard_normal((rows, width)).astype(np.float32)
+    outs = []
+    for path in ("few", "many"):
+        out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
+        _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
+             ops._no_experts, out, path=path, epilogue=epilogue)
+        outs.append(ops.to_host(out))
+    assert np.array_equal(outs[0], outs[1]) and not np.isnan(outs[1]).any()
+
+
+@pytest.mark.parametrize("kind,bits,gs", [("q4", 4, 64), ("q8", 8, 32)])
 def test_int8_x_matmul_equals_cpu_twin(ops, rng, kind, bits, gs) -> None:
     """The int8-activation matmul gives its CPU twin's bits (tf_async/backend/cpu/kernels.py):
     the same int8 x and chunk scales, the same outputs, on both paths."""
