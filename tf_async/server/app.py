@@ -35,7 +35,8 @@ from .schemas import (
 )
 from .sse import ChatFormat, CompletionFormat, respond
 from .state import SERVER_KEY, WS_HEARTBEAT_S, HttpError, Server
-from .tools import ToolMode, build_tool_prompt, check_tools, tag_terms, tool_grammar
+from .tool_grammar import tag_terms, text_parameters, tool_grammar
+from .tools import ToolMode, build_tool_prompt, check_tools
 from .ws import chat_websocket
 
 log = logging.getLogger("tf_async.server")
@@ -167,12 +168,10 @@ class Routes(Server):
         check_tools(tools, forced)
         prompt = build_tool_prompt(messages, tools, forced, tokenizer.chat_template)
         ids = self.engine.chat_ids(prompt.messages, tools=prompt.tools, template_kwargs=template_kwargs)
-        if prompt.reply_prefix:
-            ids += tokenizer.encode(prompt.reply_prefix)
         parallel = req.parallel_tool_calls is not False
         tool_grammar_spec = tool_grammar(tools, forced, parallel=parallel, fmt=prompt.fmt,
                                          tags=tag_terms(tokenizer.encode, tokenizer.is_special))
-        mode = ToolMode(parallel, prompt.reply_prefix) if tools else None
+        mode = ToolMode(parallel, text_parameters(tools)) if tools else None
         return ids, self._reply_mode(ids, mode), tool_grammar_spec or grammar
 
     def _reply_mode(self, ids: list[int], tools: ToolMode | None) -> ReplyMode | None:

@@ -82,7 +82,7 @@ class ReplyParser:
 
     def __init__(self, mode: ReplyMode):
         self.think = ThinkParser(starts_thinking=mode.starts_thinking) if mode.reasoning else None
-        self.tools = (ToolCallParser(parallel=mode.tools.parallel, prefix=mode.tools.reply_prefix)
+        self.tools = (ToolCallParser(parallel=mode.tools.parallel, text_params=mode.tools.text_params)
                       if mode.tools is not None else None)
         self.reasoning = ""
 

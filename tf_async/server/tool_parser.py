@@ -11,6 +11,7 @@ at the end of content is held until more text follows, and dropped when calls co
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from .tools import PYTHON_TAG, TOOL_CLOSE, TOOL_OPEN, ToolCall, new_call_id
@@ -19,17 +20,16 @@ from .tools import PYTHON_TAG, TOOL_CLOSE, TOOL_OPEN, ToolCall, new_call_id
 class ToolCallParser:
     """feed(text, final) -> (content to show now, calls completed now)."""
 
-    def __init__(self, *, parallel: bool = True, prefix: str = ""):
+    def __init__(self, *, parallel: bool = True,
+                 text_params: Mapping[str, frozenset[str]] | None = None):
         self.parallel = parallel
+        self.text_params = text_params or {}  # xml format: parameters whose values are text
         self.calls: list[ToolCall] = []
         self._pending = ""
         self._in_block = False
         self._json_mode = False
         self._shown_text = False  # non-whitespace content shown (no JSON-call reply then)
         self._held_space = ""
-        if prefix:
-            content, calls = self.feed(prefix)
-            assert not content and not calls, "a reply prefix opens a call"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self._pending += text
@@ -84,7 +84,7 @@ class ToolCallParser:
             body = body[: len(body) - tag_prefix_len(body, TOOL_CLOSE)]
         self._pending = "" if end < 0 else self._pending[end + len(TOOL_CLOSE):]
         self._in_block = False
-        call = parse_block(body)
+        call = parse_block(body, self.text_params)
         if call is not None:
             found.append(call)
         else:
@@ -112,11 +112,11 @@ def tag_prefix_len(text: str, tag: str) -> int:
     return 0
 
 
-def parse_block(body: str) -> ToolCall | None:
+def parse_block(body: str, text_params: Mapping[str, frozenset[str]]) -> ToolCall | None:
     """One `<tool_call>` body: a JSON object, or Qwen3.5's <function=...> form."""
     body = body.strip()
     if body.startswith("<function="):
-        return _parse_xml_call(body)
+        return _parse_xml_call(body, text_params)
     try:
         obj = json.loads(body)
     except ValueError:
@@ -156,19 +156,31 @@ def _call_of(obj: Any) -> ToolCall | None:
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _parse_xml_call(body: str) -> ToolCall | None:
-    """<function=NAME><parameter=KEY>VALUE</parameter>...</function> (values: JSON or text)."""
+def _parse_xml_call(body: str, text_params: Mapping[str, frozenset[str]]) -> ToolCall | None:
+    """<function=NAME><parameter=KEY>VALUE</parameter>...</function>: a value is JSON, or
+    text (always text where the function's schema says the parameter is a string)."""
     head, sep, rest = body[len("<function="):].partition(">")
     if not sep or not head.strip():
         return None
+    texts = text_params.get(head.strip(), frozenset())
     args: dict[str, Any] = {}
     for chunk in rest.split("<parameter=")[1:]:
         key, sep, value = chunk.partition(">")
         if not sep:
             return None
-        value = value.split("</parameter>")[0].strip("\n")
-        try:
-            args[key.strip()] = json.loads(value)
-        except ValueError:
-            args[key.strip()] = value
+        key, value = key.strip(), value.split("</parameter>")[0].strip("\n")
+        args[key] = _text_value(value) if key in texts else _json_or_text(value)
     return ToolCall(new_call_id(), head.strip(), json.dumps(args, ensure_ascii=False))
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _text_value(value: str) -> str:
+    """A string parameter's value: its text, or the string a JSON string literal spells."""
+    decoded = _json_or_text(value) if value.startswith('"') else value
+    return decoded if isinstance(decoded, str) else value

@@ -6,7 +6,7 @@ Hermes-style: its source mentions `tools`) gets them as the `tools` variable, an
 (the default model's) gets the generic tool prompt below as (part of) the system message,
 assistant calls as `<tool_call>` text and tool results as user turns in `<tool_response>`.
 `tool_choice: "required"` or a named function is enforced by a grammar (calls only, each
-valid against its parameters; engine/grammar.py); in the xml format, by the reply's opening.
+valid against its parameters, in the format the model writes; server/tool_grammar.py).
 
 Text side (`ToolCallParser`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (Hermes / Qwen3), `<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`
@@ -22,14 +22,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ..api_types import GrammarSpec
-from ..engine.grammar import JSON_STYLE, bounded_numbers
 from ..errors import BadInputError
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-MAX_FORCED_CALLS = 8  # calls in one forced reply: at most one per tool, and at most this
 
 GENERIC_TOOL_PROMPT = (
     "You can call functions to help answer. The functions, as JSON schemas:\n{tools}\n\n"
@@ -60,17 +57,16 @@ class ToolMode:
     """How a chat's replies are read for tool calls."""
 
     parallel: bool  # parallel_tool_calls: false keeps the first call only
-    reply_prefix: str  # the reply's opening text, already in the prompt
+    text_params: dict[str, frozenset[str]]  # function -> parameters the xml format writes as text
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPrompt:
-    """What one chat request sends to the template, and how its reply must start."""
+    """What one chat request sends to the template, and the call format of its reply."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None  # for the template's `tools` variable
     fmt: str  # the call format the model writes: hermes, json or xml
-    reply_prefix: str  # text the reply starts with (forced calls in the xml format)
 
 
 def template_knows_tools(template: str | None) -> bool:
@@ -91,68 +87,11 @@ def build_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                       choice: str | None, template: str | None) -> ToolPrompt:
     """`choice`: None (auto), "required", or a function name."""
     fmt = tool_format(template) if template_knows_tools(template) else "hermes"
-    prefix = reply_prefix(fmt, choice) if fmt == "xml" else ""  # the others: a grammar
     if choice is not None and choice != "required":
         tools = [t for t in tools if t["function"]["name"] == choice]
     if template_knows_tools(template):
-        return ToolPrompt([_native_message(m) for m in messages], tools or None, fmt, prefix)
-    return ToolPrompt(_generic_messages(messages, tools), None, fmt, prefix)
-
-
-def tool_grammar(tools: list[dict[str, Any]], choice: str | None, *, parallel: bool, fmt: str,
-                 tags: tuple[str, str]) -> GrammarSpec | None:
-    """The grammar of a reply that must call (`choice` "required" or a name): calls only,
-    each valid against its function's parameters. `tags`: how the grammar spells the
-    opening and closing tags (a quoted string, or `<[id]>` for a special token)."""
-    if choice is None or fmt == "xml":
-        return None
-    if choice != "required":
-        tools = [t for t in tools if t["function"]["name"] == choice]
-    key = "parameters" if fmt == "json" else "arguments"
-    calls = bounded_numbers([_call_schema(t["function"], key) for t in tools])
-    schema = json.dumps({"anyOf": calls, "x-guidance": JSON_STYLE})
-    if fmt == "json":
-        return GrammarSpec("lark", f"start: %json {schema}", "tools")
-    call = f'call: {tags[0]} "\\n" %json {schema} "\\n" {tags[1]}'
-    start = "start: call" + _more_calls(min(len(tools), MAX_FORCED_CALLS) if parallel else 1)
-    return GrammarSpec("lark", f"{start}\n{call}\n", "tools")
-
-
-def _more_calls(max_calls: int) -> str:
-    """Up to max_calls - 1 further calls (small models repeat a call forever otherwise)."""
-    return "" if max_calls <= 1 else f' ("\\n" call{_more_calls(max_calls - 1)})?'
-
-
-def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
-        # only the named arguments (still valid against the schema): small models otherwise
-        # wander into keys of their own
-        parameters = {**parameters, "additionalProperties": False}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
-            "required": ["name", key], "additionalProperties": False}
-
-
-def tag_terms(encode: Any, is_special: Any) -> tuple[str, str]:
-    """The grammar's spelling of <tool_call> / </tool_call>: the special token where the
-    vocabulary has one (Qwen), else the text."""
-    terms = []
-    for tag in (TOOL_OPEN, TOOL_CLOSE):
-        ids = encode(tag)
-        terms.append(f"<[{ids[0]}]>" if len(ids) == 1 and is_special(ids[0]) else json.dumps(tag))
-    return terms[0], terms[1]
-
-
-def reply_prefix(fmt: str, choice: str | None) -> str:
-    if choice is None:
-        return ""
-    if fmt == "json":
-        return '{"name": "' if choice == "required" else f'{{"name": "{choice}", "parameters": '
-    if fmt == "xml":
-        return f"{TOOL_OPEN}\n<function=" + ("" if choice == "required" else f"{choice}>\n")
-    if choice == "required":
-        return f'{TOOL_OPEN}\n{{"name": "'
-    return f'{TOOL_OPEN}\n{{"name": "{choice}", "arguments": '
+        return ToolPrompt([_native_message(m) for m in messages], tools or None, fmt)
+    return ToolPrompt(_generic_messages(messages, tools), None, fmt)
 
 
 def _native_message(message: dict[str, Any]) -> dict[str, Any]:
