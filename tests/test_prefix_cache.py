@@ -487,3 +487,28 @@ async def test_copies_read_cached_pages_and_write_new_zeroed_pages_only(tiny_lla
             assert 0 < num_rows < PAGE
             copies += 1
     assert copies > 0
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_a_hybrid_stream_stopped_inside_a_round_keeps_no_state_past_its_end(
+        hybrids, decode_steps) -> None:
+    """A stop token at decode step 2 of 4: the lane's state has also taken the steps after it,
+    so the finish must not keep it as the state of the stream's end (a page boundary in these
+    cases; a stop inside accepted drafts takes the same path). Turn 2 equals a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    options = {**OPTIONS, "parallel": 2, "decode_steps": decode_steps}
+
+    async def chat(eng: Engine, prompt: list[int], stop: int) -> list[list[int]]:
+        first = await eng.complete(prompt, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+        second = await eng.complete(prompt + first.token_ids + _tokens(99, 7), max_tokens=8,
+                                    ignore_eos=True)
+        return [first.token_ids, second.token_ids]
+
+    for length, stop_at in ((22, 2), (22, 6), (23, 1), (23, 5)):
+        prompt = _tokens(length, length)
+        async with Engine(ckpt, **options, prefix_cache=False) as eng:
+            plain = (await eng.complete(prompt, max_tokens=12, ignore_eos=True)).token_ids
+            fresh = await chat(eng, prompt, plain[stop_at])
+        async with Engine(ckpt, **options) as eng:
+            resumed = await chat(eng, prompt, plain[stop_at])
+        assert resumed == fresh, (length, stop_at)

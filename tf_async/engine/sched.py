@@ -204,12 +204,14 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence, *, failed: bool = False) -> None:
+    def _release(self, seq: Sequence, *, failed: bool = False, state_past_end: bool = False
+                 ) -> None:
         if seq.lane is not None:
             if not failed:  # its committed rows stay useful to later streams
                 self.prefix.publish_pages(seq)
                 self.prefix.publish_partial(seq)
-                self._keep_state(seq)
+                if not state_past_end:
+                    self._keep_state(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             released = self.runs.pages(seq.lane)
             self.lanes.release(seq.lane)
@@ -295,7 +297,9 @@ class Scheduler:
             self.drafter.absorb(seq, rows, len(new_ids), result.hidden.get(seq.request_id))
         lp = tuple(logprobs) if seq.params.logprobs is not None else None
         if finish:
-            return self.finish(seq, finish, new_ids=new_ids, logprobs=lp)
+            # a stop inside the round's drafts or decode steps: the lane's recurrent state has
+            # taken the rows after it too, so it is no state of num_computed to keep
+            return self.finish(seq, finish, new_ids=new_ids, logprobs=lp, state_past_end=True)
         return TokenEvent(seq.request_id, tuple(new_ids), lp)
 
     def _roll_back(self, seq: Sequence, rows: SeqRows) -> None:
@@ -320,10 +324,11 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str | None, *, error: str | None = None,
-               new_ids: list[int] | None = None, logprobs=None) -> TokenEvent:
+               new_ids: list[int] | None = None, logprobs=None,
+               state_past_end: bool = False) -> TokenEvent:
         """End a stream: release its lane (the one release path) and drop it."""
         seq.finished = True
-        self._release(seq, failed=error is not None)
+        self._release(seq, failed=error is not None, state_past_end=state_past_end)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
