@@ -7,6 +7,7 @@
 #   default  pytest -m gpu tests/test_gpu_engine.py -k default_model (needs the GGUF, below)
 #   qwen35   pytest -m gpu tests/test_gpu_qwen35.py
 #   baselines pytest -m gpu tests/test_gpu_baselines.py (outputs == the recorded GPU baselines)
+#   prefix   pytest -m gpu tests/test_gpu_prefix_cache.py (resumed == fresh: copies, states, rings)
 #   ops      benchmarks/bench_decode_ops.py
 #   variants benchmarks/bench_matmul_variants.py --rows 1 --kinds q4
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
@@ -57,6 +58,7 @@ for stage in "$@"; do
     default) run default 150 "${PYTEST[@]}" tests/test_gpu_engine.py -k default_model ;;
     qwen35) run qwen35 400 "${PYTEST[@]}" tests/test_gpu_qwen35.py ;;
     baselines) run baselines 300 "${PYTEST[@]}" tests/test_gpu_baselines.py ;;
+    prefix) run prefix 300 "${PYTEST[@]}" tests/test_gpu_prefix_cache.py ;;
     ops) run ops 90 python3 benchmarks/bench_decode_ops.py ;;
     variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;

@@ -65,6 +65,53 @@ SIMULATOR: bool = _detect_simulator()
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 
+
+def _thread_safe_simulator_swap() -> None:
+    """Numba's simulator runs each CUDA thread as a Python thread and, around every device
+    function call, points the `cuda` global of the function's module at the launch's fake
+    module, then back. Two threads in device functions of one module race: the first to
+    return restores the real module while the other still runs, which then fails with
+    "module 'numba.cuda' has no attribute 'shared'" (intermittently; more often on a loaded
+    machine). This swap counts the threads inside each module and restores only when the
+    last one leaves: the same fake module for every thread of a launch, no race."""
+    import threading
+    from contextlib import contextmanager
+
+    try:
+        from numba.cuda.simulator import kernel as sim_kernel
+    except ImportError:  # another simulator layout: leave it as it is
+        return
+    if not hasattr(sim_kernel, "swapped_cuda_module"):
+        return
+    lock = threading.Lock()
+    inside: dict[int, tuple[int, dict]] = {}
+
+    @contextmanager
+    def swapped_cuda_module(fn, fake_cuda_module):
+        globs = fn.__globals__
+        with lock:
+            count, orig = inside.get(id(globs), (0, {}))
+            if count == 0:
+                orig = {k: v for k, v in globs.items() if v is cuda}
+                globs.update({k: fake_cuda_module for k in orig})
+            inside[id(globs)] = (count + 1, orig)
+        try:
+            yield
+        finally:
+            with lock:
+                count, orig = inside[id(globs)]
+                if count == 1:
+                    globs.update(orig)
+                    del inside[id(globs)]
+                else:
+                    inside[id(globs)] = (count - 1, orig)
+
+    sim_kernel.swapped_cuda_module = swapped_cuda_module
+
+
+if SIMULATOR:
+    _thread_safe_simulator_swap()
+
 if SIMULATOR:
 
     @cuda.jit(device=True)

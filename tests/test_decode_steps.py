@@ -172,3 +172,25 @@ async def test_decode_steps_with_a_device_sampler(tiny_llama, monkeypatch) -> No
     assert ((4, 4), "int64") in ops.copies  # 4 steps x 4 streams of ids in one copy
     assert ("sample", 4) in ops.launches  # the seeded rows of a stepped round, on the device
     assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests import tiny_qwen35 as tq
+    from tf_async.models.loader import load_checkpoint
+
+    cfg = tq.tiny_qwen35_config(moe=False)
+    folder = tmp_path_factory.mktemp("hybrid")
+    return load_checkpoint(tq.write_qwen35_mlx(folder, cfg, tq.random_qwen35_weights(cfg, seed=5), 4, 32))
+
+
+@pytest.mark.asyncio
+async def test_hybrid_decode_steps_equal_one_step_a_round(tiny_hybrid) -> None:
+    """A Qwen3.5 hybrid steps too: each step advances every lane's recurrent state by one token,
+    as a plain decode round does (greedy and seeded, concurrent, a stream stopping mid-round)."""
+    kwargs = [*MIXED, dict(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3)]
+    plain, reasons, _, _ = await _run(tiny_hybrid, 1, kwargs, ctx=64)
+    stepped, stepped_reasons, plans, idle = await _run(tiny_hybrid, 4, kwargs, ctx=64)
+    assert stepped == plain and stepped_reasons == reasons
+    assert max(p.steps for p in plans) == 4
+    assert idle["pages_in_use"] == 0 and idle["lanes_in_use"] == 0

@@ -234,7 +234,8 @@ async def test_stepped_prompt_opens_the_drafter_on_the_targets_lane(tiny_llama, 
 
         def open_(seq):  # record what the drafter sees when it opens
             seen.append((seq.request_id, lanes.owner(seq.lane) == seq.request_id,
-                         len(sched.runs.pages(seq.lane)) > 0, seq.num_computed))
+                         len(sched.runs.pages(seq.lane)) > 0,
+                         seq.num_computed - seq.num_cached_tokens))  # rows it computed so far
             if seq.prompt_ids[:3] == eng.tokenizer.encode(PROMPTS[4])[:3]:
                 raise RuntimeError("injected open failure")
             real_open(seq)

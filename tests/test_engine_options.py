@@ -16,7 +16,8 @@ from tf_async.server.cli import engine_from_args
 @pytest.mark.parametrize(("param", "bad"), [
     ("parallel", 0), ("ctx", 1), ("kv_dtype", "f16"), ("page_size", 0), ("step_tokens", 0),
     ("draft_tokens", 17), ("decode_steps", True), ("kv_pages", 1), ("draft_ring", 0),
-    ("draft_areas", -1), ("ngram_min", 4), ("device", "tpu"), ("parallel", 2.0)])
+    ("draft_areas", -1), ("ngram_min", 4), ("device", "tpu"), ("parallel", 2.0),
+    ("prefix_state_pages", 0), ("prefix_state_slots", 0), ("prefix_state_pages", 1.5)])
 def test_a_bad_option_is_one_error_naming_it(param: str, bad: object) -> None:
     with pytest.raises(BadInputError) as info:
         EngineOptions(**{"ctx": 64, "page_size": 4, param: bad})

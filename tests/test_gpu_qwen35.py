@@ -31,6 +31,7 @@ process). The engine part skips there: it needs a real GPU.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -434,6 +435,24 @@ async def test_engine_keeps_the_recurrent_state_on_the_device(hybrids) -> None:
         done = await eng.complete("Hello there", max_tokens=5, temperature=0.0)
         assert len(done.token_ids) == 5
     assert eng.stats()["lanes_in_use"] == 0
+
+
+@pytest.mark.asyncio
+async def test_hybrid_decode_steps_equal_one_step_on_the_gpu(hybrids) -> None:
+    """--decode-steps on a hybrid: each step's token fed on the device, the recurrent state
+    advanced a token a step; the same tokens as one step a round (greedy and seeded)."""
+    from tf_async import Engine
+
+    async def run(steps: int) -> list[list[int]]:
+        async with Engine(hybrids["dense-mlx4"], device="cuda", parallel=4, ctx=128, page_size=4,
+                          decode_steps=steps, prefix_cache=False) as eng:
+            outs = await asyncio.gather(*(eng.complete(p, max_tokens=12, ignore_eos=True,
+                                                       **({"temperature": HOT, "seed": i} if i % 2 else {}))
+                                          for i, p in enumerate(PROMPTS[:4])))
+        assert eng.stats()["lanes_in_use"] == 0
+        return [o.token_ids for o in outs]
+
+    assert await run(4) == await run(1)
 
 
 PAGE = 4

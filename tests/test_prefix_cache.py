@@ -18,7 +18,7 @@ from tf_async import BadInputError, Engine
 from tf_async.engine.build import kv_identity
 from tf_async.engine.pages import Runs
 from tf_async.engine.prefix import next_key, root_key
-from tf_async.engine.sched import Scheduler
+from tf_async.engine.prefix_plan import PrefixPlanner
 from tf_async.engine.sequence import RoundPlan
 
 PAGE = 4
@@ -43,8 +43,8 @@ def test_published_pages_outlive_their_run_and_are_shared_read_only() -> None:
     assert cache is not None
     runs.open(0)
     assert runs.reserve(0, 10) == [0, 1, 2]
-    runs.publish(0, 0, b"k0", (1, 2, 3, 4))
-    runs.publish(0, 1, b"k1", (5, 6, 7, 8))
+    runs.publish(0, 0, b"k0", (1, 2, 3, 4), b"root")
+    runs.publish(0, 1, b"k1", (5, 6, 7, 8), b"k0")
     assert runs.close(0) == [0, 1, 2]
     assert runs.pool.num_free == 4 and cache.num_idle == 2  # 0, 1 cached; 2 back to the pool
     assert runs.num_pages_in_use == 0 and runs.num_available == 6
@@ -64,13 +64,13 @@ def test_idle_cached_pages_are_evicted_least_recently_used_first() -> None:
     runs.open(0)
     assert runs.reserve(0, 16) == [0, 1, 2, 3]
     for i in (2, 0, 3):
-        runs.publish(0, i, bytes([i]), (i,))
-    runs.close(0)  # idle in the order they went idle: 0, 2, 3 (page order of the run)
+        runs.publish(0, i, bytes([i]), (i,), b"root")
+    runs.close(0)  # idle last page first (a chain's head outlives its tail): 3, 2, 0
     runs.open(0)
     runs.share(0, [2])  # 2 is used again: no longer idle
-    runs.close(0)  # idle order now 0, 3, 2
+    runs.close(0)  # idle order now 3, 0, 2
     runs.open(0)
-    assert runs.reserve(0, 12) == [1, 0, 3]  # the free page first, then LRU evictions
+    assert runs.reserve(0, 12) == [1, 3, 0]  # the free page first, then LRU evictions
     assert cache.num_evictions == 2 and cache.lookup(bytes([2]), (2,)) == 2
     assert cache.lookup(bytes([0]), (0,)) is None
 
@@ -102,16 +102,20 @@ async def _chat(eng: Engine, turns: int, mode: str, seed: int = 0) -> list[tuple
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 @pytest.mark.parametrize("turns", [2, 5])
 async def test_resumed_chat_equals_fresh(tiny_llama, mode, turns) -> None:
+    """Turn k takes every row turn k-1 computed (its prompt and all but its last output
+    token): full pages shared, the rows of its last partial page copied."""
     async with Engine(tiny_llama, **OPTIONS) as eng:
-        resumed = await _chat(eng, turns, mode)
+        resumed = await _chat_with_prompts(eng, turns, mode, 0, rewrite=False)
         stats = await idle_stats(eng)
     async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
-        fresh = await _chat(eng, turns, mode)
-    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
-    assert resumed[0][1] == 0 and all(cached > 20 for _, cached in resumed[1:]), resumed
-    assert all(cached % PAGE == 0 for _, cached in resumed)
-    assert all(cached == 0 for _, cached in fresh)
+        fresh = await _chat_with_prompts(eng, turns, mode, 0, rewrite=False)
+    assert [t[0] for t in resumed] == [t[0] for t in fresh]
+    assert resumed[0][1] == 0
+    for k in range(1, turns):
+        assert resumed[k][1] == resumed[k - 1][2] + len(resumed[k - 1][0]) - 1, resumed
+    assert all(t[1] == 0 for t in fresh)
     assert stats["cached_pages"] > 0 and stats["prefix_cache_hit_pages"] > 0
+    assert stats["prefix_cache_copied_rows"] > 0
 
 
 async def _shared_prefix(eng: Engine, num_streams: int, mode: str) -> list[list[int]]:
@@ -192,7 +196,8 @@ async def test_cache_salt_keeps_tenants_apart(tiny_llama) -> None:
         same = await eng.complete(prompt, cache_salt="a", max_tokens=2)
         with pytest.raises(BadInputError, match="cache_salt"):
             eng.stream(prompt, cache_salt="")
-    assert other.usage.cached_tokens == 0 and same.usage.cached_tokens == 36
+    # all but the last prompt token: 9 full pages shared, 3 rows of the 10th copied
+    assert other.usage.cached_tokens == 0 and same.usage.cached_tokens == 39
 
 
 async def test_no_prefix_cache_without_paging(tiny_llama) -> None:
@@ -255,15 +260,16 @@ async def test_every_page_a_lane_gains_is_zeroed_unless_it_was_cached(tiny_llama
 
 
 async def test_publishing_a_page_before_it_is_full_is_caught(tiny_llama, monkeypatch) -> None:
-    def publish_too_early(self: Scheduler, seq: Any) -> None:  # a partial page offered as full
+    def publish_too_early(self: PrefixPlanner, seq: Any) -> None:  # a partial page offered as full
         if self.runs.cache is None or seq.lane is None:
             return
         upto = -(-seq.num_computed // PAGE)
         for i in range(seq.num_published, min(upto, len(self.runs.pages(seq.lane)))):
-            self.runs.publish(seq.lane, i, self._page_key(seq, i), self._page_tokens(seq, i))
+            self.runs.publish(seq.lane, i, self.page_key(seq, i), self._page_tokens(seq, i),
+                              self._prev_key(seq, i))
         seq.num_published = max(seq.num_published, upto)
 
-    monkeypatch.setattr(Scheduler, "_publish_pages", publish_too_early)
+    monkeypatch.setattr(PrefixPlanner, "publish_pages", publish_too_early)
     async with Engine(tiny_llama, **OPTIONS) as eng:
         assert _writes_to_cached_pages(await _plans_of_a_shared_chat(eng)) != []
 
@@ -273,7 +279,7 @@ async def test_a_stream_that_ends_at_its_first_token_leaves_its_prompt_cached(ti
     async with Engine(tiny_llama, **OPTIONS) as eng:
         await eng.complete(prompt, max_tokens=1)  # finishes in the round of its one prompt step
         again = await eng.complete(prompt, max_tokens=1)
-    assert again.usage.cached_tokens == 20
+    assert again.usage.cached_tokens == 22  # 5 pages shared, 2 rows of the partial one copied
 
 
 # ---- hybrids: resume from a recurrent state kept at a page boundary -------------------------
@@ -353,3 +359,156 @@ async def test_a_preempted_stream_resumes_from_its_own_cached_pages(tiny_llama) 
         fresh = await run(eng)
     assert cached == fresh
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_pages"] > 0
+
+
+# ---- hybrids: states every N pages, at each prompt's end, and at a stream's latest boundary --
+async def _chat_with_prompts(eng: Engine, turns: int, mode: str, seed: int, rewrite: bool
+                             ) -> list[tuple[list[int], int, int]]:
+    """As _chat; each turn's (output ids, cached prompt tokens, prompt length). `rewrite`: the
+    client sends each reply back changed (as chat templates that drop a reply's reasoning do),
+    so the next prompt shares only the previous prompt."""
+    history = _tokens(seed, 23)
+    out = []
+    for turn in range(turns):
+        prompt = history + _tokens(seed + 100 + turn, 5 + 3 * turn)
+        done = await eng.complete(prompt, **_sampling(mode, turn))
+        out.append((done.token_ids, done.usage.cached_tokens, len(prompt)))
+        reply = [(t + 1) % 300 for t in done.token_ids] if rewrite else done.token_ids
+        history = prompt + reply
+    return out
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+async def test_a_five_turn_hybrid_chat_resumes_past_the_first_prompt(hybrids, mode, rewrite) -> None:
+    """Turn k resumes at least from the last page boundary of turn k-1's prompt (a state is
+    kept there; the prompt's cuts stop there), so from turn 3 on more than turn 1's whole
+    prompt is reused; with replies sent back verbatim, also from the newest boundary the
+    reply's decoding reached. Outputs equal a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    async with Engine(ckpt, **OPTIONS) as eng:
+        resumed = await _chat_with_prompts(eng, 5, mode, 12, rewrite)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat_with_prompts(eng, 5, mode, 12, rewrite)
+    assert [t[0] for t in resumed] == [t[0] for t in fresh]
+    for k in range(1, 5):
+        previous_prompt = resumed[k - 1][2] // PAGE * PAGE
+        if rewrite:
+            assert resumed[k][1] == previous_prompt, resumed
+        else:
+            assert resumed[k][1] > previous_prompt, resumed
+    assert all(t[1] > resumed[0][2] for t in resumed[2:]), resumed
+    assert stats["prefix_states_resumed"] >= 4
+
+
+async def test_a_hybrid_stream_resumes_from_the_last_n_page_state_of_a_shared_prefix(hybrids) -> None:
+    """States every 2 pages: a stream sharing 27 tokens with an earlier prompt of 40 resumes
+    at 24 (the cuts of 16 rows stop at every 8th row), not at 16."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    first = _tokens(20, 40)
+    second = first[:27] + _tokens(21, 9)
+    options = {**OPTIONS, "prefix_state_pages": 2}
+
+    async def run(eng: Engine) -> list[tuple[list[int], int]]:
+        out = []
+        for prompt in (first, second):
+            done = await eng.complete(prompt, **_sampling("greedy", 0))
+            out.append((done.token_ids, done.usage.cached_tokens))
+        return out
+
+    async with Engine(ckpt, **options) as eng:
+        resumed = await run(eng)
+        await idle_stats(eng)
+    async with Engine(ckpt, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[1][1] == 24
+
+
+async def test_hybrid_streams_resume_mid_prompt_from_a_state_another_stream_kept(hybrids) -> None:
+    """Two streams with one long prefix admitted together, states every 8 rows, 12-row budget:
+    the first's cuts stop at each state (8 rows), the second's first cut takes the other 4 rows
+    (nothing is cached yet); from then on the second resumes mid-prompt from the states and
+    pages the first keeps. Outputs equal a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    prefix = _tokens(30, 70)
+    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    options = {**OPTIONS, "prefix_state_pages": 2, "step_tokens": 12}
+
+    async def run(eng: Engine) -> list[tuple[list[int], int]]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+                                      for i, p in enumerate(prompts)))
+        return [(d.token_ids, d.usage.cached_tokens) for d in done]
+
+    async with Engine(ckpt, **options) as eng:
+        resumed = await run(eng)
+        stats = await idle_stats(eng)
+    async with Engine(ckpt, **options, prefix_cache=False) as eng:
+        fresh = await run(eng)
+    assert [ids for ids, _ in resumed] == [ids for ids, _ in fresh]
+    assert resumed[0][1] == 0 and resumed[1][1] >= 24, resumed  # 4 of every 8 rows: not computed
+    assert stats["prefix_states_resumed"] > 0
+
+
+# ---- dense models: the partial last page of a shared prefix is copied, not recomputed -------
+async def test_a_chat_whose_replies_come_back_rewritten_copies_up_to_the_change(tiny_llama) -> None:
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        resumed = await _chat_with_prompts(eng, 4, "seeded", 7, rewrite=True)
+        await idle_stats(eng)
+    async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat_with_prompts(eng, 4, "seeded", 7, rewrite=True)
+    assert [t[0] for t in resumed] == [t[0] for t in fresh]
+    assert [t[1] for t in resumed[1:]] == [t[2] for t in resumed[:-1]]  # the previous prompt
+
+
+async def test_rows_not_copied_are_caught(tiny_llama, monkeypatch) -> None:
+    """Mutation: a plan's page copies skipped (the rows stay zero) changes outputs."""
+    from tf_async.engine.runner import Runner
+
+    async with Engine(tiny_llama, **OPTIONS, prefix_cache=False) as eng:
+        fresh = await _chat_with_prompts(eng, 4, "greedy", 8, rewrite=False)
+    monkeypatch.setattr(Runner, "copy_rows", lambda self, copies: None)
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        broken = await _chat_with_prompts(eng, 4, "greedy", 8, rewrite=False)
+    assert [t[0] for t in broken] != [t[0] for t in fresh]
+
+
+async def test_copies_read_cached_pages_and_write_new_zeroed_pages_only(tiny_llama) -> None:
+    """Each copy's source is cached and not zeroed in its round; its target is a page the run
+    gains that round (zeroed first), never a cached one."""
+    async with Engine(tiny_llama, **OPTIONS) as eng:
+        seen = await _plans_of_a_shared_chat(eng)
+    copies = 0
+    for plan, cached in seen:
+        for source, page, num_rows in plan.page_copies:
+            assert source in cached and source not in plan.pages_to_zero
+            assert page in plan.pages_to_zero and page not in cached
+            assert 0 < num_rows < PAGE
+            copies += 1
+    assert copies > 0
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_a_hybrid_stream_stopped_inside_a_round_keeps_no_state_past_its_end(
+        hybrids, decode_steps) -> None:
+    """A stop token at decode step 2 of 4: the lane's state has also taken the steps after it,
+    so the finish must not keep it as the state of the stream's end (a page boundary in these
+    cases; a stop inside accepted drafts takes the same path). Turn 2 equals a fresh engine's."""
+    ckpt = hybrids["qwen3_5-mlx4"]
+    options = {**OPTIONS, "parallel": 2, "decode_steps": decode_steps}
+
+    async def chat(eng: Engine, prompt: list[int], stop: int) -> list[list[int]]:
+        first = await eng.complete(prompt, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+        second = await eng.complete(prompt + first.token_ids + _tokens(99, 7), max_tokens=8,
+                                    ignore_eos=True)
+        return [first.token_ids, second.token_ids]
+
+    for length, stop_at in ((22, 2), (22, 6), (23, 1), (23, 5)):
+        prompt = _tokens(length, length)
+        async with Engine(ckpt, **options, prefix_cache=False) as eng:
+            plain = (await eng.complete(prompt, max_tokens=12, ignore_eos=True)).token_ids
+            fresh = await chat(eng, prompt, plain[stop_at])
+        async with Engine(ckpt, **options) as eng:
+            resumed = await chat(eng, prompt, plain[stop_at])
+        assert resumed == fresh, (length, stop_at)

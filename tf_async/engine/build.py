@@ -18,7 +18,7 @@ from ..models.loader import make_decoder
 from ..models.protocol import DecoderProtocol
 from .calibrate import kv_scales_for
 from .core import EngineCore
-from .drafters.registry import attach_drafter, keeps_a_ring
+from .drafters.registry import attach_drafter
 from .lanes import Lanes
 from .options import EngineOptions
 from .pages import Runs, pages_for_rows
@@ -67,7 +67,7 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
     num_lanes = options.parallel
     decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
     recurrent = decoder.states is not None
-    runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options, recurrent))
+    runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options))
     kv_scales = kv_scales_for(decoder, ckpt, options.kv_dtype)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options.page_size,
                   kv_dtype=options.kv_dtype, kv_scales=kv_scales)
@@ -77,8 +77,9 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
                           cache_identity=kv_identity(ckpt, options.kv_dtype, kv_scales))
     states = decoder.states
     if states is not None and runs.cache is not None:
-        states.add_prefix_slots(num_lanes)
-        scheduler.state_slots = StateSlots(num_lanes)
+        num_slots = options.num_prefix_states(num_lanes)
+        states.add_prefix_slots(num_slots)
+        scheduler.prefix.state_slots = StateSlots(num_slots, options.prefix_state_pages)
     runner = Runner(_maybe_graphs(decoder, options.cuda_graphs), arena)
     core = EngineCore(scheduler, runner, publish)
     if options.drafter:
@@ -96,12 +97,10 @@ def _make_runs(options: EngineOptions, *, prefix_cache: bool) -> Runs:
                 page_size=options.page_size, num_pages=num_pages, prefix_cache=prefix_cache)
 
 
-def _prefix_cache_applies(options: EngineOptions, recurrent: bool) -> bool:
+def _prefix_cache_applies(options: EngineOptions) -> bool:
     """Prefix reuse needs paged KV; hybrids resume from recurrent states kept at page
-    boundaries (one slot a lane). Not with ring drafters (draft model, MTP: their rings follow
-    every row of the target): those recompute their prompts as before."""
-    ring_drafter = options.drafter is not None and keeps_a_ring(options.drafter)
-    return options.prefix_cache and options.paging and not ring_drafter
+    boundaries, ring drafters rebuild their rings for the reused prefix (docs/PREFIX_CACHE.md)."""
+    return options.prefix_cache and options.paging
 
 
 def kv_identity(ckpt: Checkpoint, kv_dtype: str, kv_scales: Array | None) -> bytes:

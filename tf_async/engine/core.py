@@ -124,7 +124,6 @@ class EngineCore:
             **self.runner.memory_stats(),
             **sched.drafter_stats(),
             **sched.prefix_cache_stats(),
-            **sched.prefix_state_stats(),
         }
         by_lane = {s.lane: s for s in sched.running if s.lane is not None}
         self.lane_snapshot = [self._lane_info(lane, by_lane.get(lane)) for lane in range(lanes.num_lanes)]

@@ -35,6 +35,8 @@ class EngineOptions:
     draft_areas: int | None = None  # drafter areas in the arena (default: one a lane)
     ngram_min: int = 2  # shortest suffix the ngram drafter matches
     prefix_cache: bool = True  # share cached prefix pages between streams (needs paging)
+    prefix_state_pages: int = 16  # hybrids: keep a recurrent state every N pages (and more)
+    prefix_state_slots: int | None = None  # hybrids: kept recurrent states (default: one a lane)
 
     def __post_init__(self) -> None:
         _need(_is_int(self.parallel) and 1 <= self.parallel <= 1024, "parallel must be in [1, 1024]", "parallel")
@@ -52,12 +54,21 @@ class EngineOptions:
               "draft_ring must be an integer >= 1", "draft_ring")
         _need(self.draft_areas is None or (_is_int(self.draft_areas) and self.draft_areas >= 0),
               "draft_areas must be an integer >= 0", "draft_areas")
+        _need(_is_int(self.prefix_state_pages) and self.prefix_state_pages >= 1,
+              "prefix_state_pages must be an integer >= 1", "prefix_state_pages")
+        _need(self.prefix_state_slots is None
+              or (_is_int(self.prefix_state_slots) and self.prefix_state_slots >= 1),
+              "prefix_state_slots must be an integer >= 1", "prefix_state_slots")
         _need(_is_int(self.ngram_min) and 1 <= self.ngram_min <= 3, "ngram_min must be in [1, 3]", "ngram_min")
 
     @property
     def ring_capacity(self) -> int:
         """Ring rows of a drafter context."""
         return self.draft_ring or self.ctx
+
+    def num_prefix_states(self, num_lanes: int) -> int:
+        """Recurrent states a hybrid keeps for the prefix cache."""
+        return self.prefix_state_slots or num_lanes
 
     def num_draft_areas(self, num_lanes: int) -> int:
         """Drafter areas in the arena's region."""

@@ -94,12 +94,21 @@ class Runs:
             self.cache.hold(page_id)
         self._runs[lane].extend(page_ids)
 
-    def publish(self, lane: int, page_index: int, key: bytes, tokens: tuple[int, ...]) -> None:
+    def publish(self, lane: int, page_index: int, key: bytes, tokens: tuple[int, ...],
+                previous: bytes) -> None:
         """Offer the run's full page `page_index` to the cache (a page already cached stays)."""
         assert self.cache is not None
         page_id = self._runs[lane][page_index]
-        if not self.cache.is_cached(page_id) and self.cache.publish(page_id, key, tokens):
+        if not self.cache.is_cached(page_id) and self.cache.publish(page_id, key, tokens, previous):
             self.cache.num_missed_pages += 1
+
+    def publish_partial(self, lane: int, page_index: int, tokens: tuple[int, ...],
+                        previous: bytes) -> None:
+        """Offer the committed rows (`tokens`) of the run's page `page_index`, before it closes."""
+        assert self.cache is not None
+        page_id = self._runs[lane][page_index]
+        if not self.cache.is_cached(page_id):
+            self.cache.publish_partial(page_id, tokens, previous)
 
     def pages(self, lane: int) -> list[int]:
         return self._runs.get(lane, [])
@@ -138,12 +147,13 @@ class Runs:
 
     def close(self, lane: int) -> list[int]:
         """Return the run's pages (to the pool with paging; cached ones stay cached, idle once
-        no run holds them). Closing twice is a no-op."""
+        no run holds them, last page first: eviction keeps a chain's head, which every page
+        after it needs, longest). Closing twice is a no-op."""
         pages = self._runs.pop(lane, None)
         if pages is None:
             return []
         if self.paging and self.cache is not None:
-            for page_id in pages:
+            for page_id in reversed(pages):  # the tail goes idle first: evicted before the head
                 if self.cache.is_cached(page_id):
                     self.cache.drop(page_id)
             self.pool.free([p for p in pages if not self.cache.is_cached(p)])

@@ -39,6 +39,7 @@ class Arena:
         scales = np.ones((cfg.num_layers, 2), np.float32) if kv_scales is None else kv_scales
         self.kv_scales = ops.asarray(scales.astype(np.float32))
         self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
+        self.drafter_page_bytes = 0  # MTP slots kept beside the pages (drafters/page_slots.py)
 
     def add_drafter_region(self, region: Array) -> Array:  # region: [bytes] uint8
         """Attach the drafter areas' byte region; done once at engine start."""
@@ -46,10 +47,14 @@ class Arena:
         self.drafter_region = region
         return region
 
+    def add_drafter_pages(self, num_bytes: int) -> None:
+        """Count the drafter's memory kept beside the pages (allocated once, at start)."""
+        self.drafter_page_bytes += num_bytes
+
     @property
     def num_bytes(self) -> int:
         extra = 0 if self.drafter_region is None else int(self.drafter_region.nbytes)
-        return int(self.kv.nbytes) + extra
+        return int(self.kv.nbytes) + extra + self.drafter_page_bytes
 
 
 class Runner:
@@ -72,6 +77,14 @@ class Runner:
         if page_ids:
             ids = self.ops.asarray(np.asarray(page_ids, dtype=np.int32))
             self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
+
+    def copy_rows(self, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Rows [0, rows) of page `source` into page `page`, every layer (prefix cache: the
+        partial last page of a shared prefix). Bytes as stored: same KV dtype and scales."""
+        size, kv = self.arena.page_size, self.arena.kv
+        for source, page, num_rows in copies:
+            kv[:, :, page * size: page * size + num_rows] = \
+                kv[:, :, source * size: source * size + num_rows]
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
         """Kept states are copied out first; rolled-back lanes get their saved state; newly
@@ -101,6 +114,7 @@ class Runner:
         """Run the round; if it fails, run each stream alone so one bad request fails alone."""
         self.prepare_lanes(plan)
         self.zero_pages(plan.pages_to_zero)
+        self.copy_rows(plan.page_copies)
         saved = self.save_states(plan.rows)
         self._state_touched = False
         try:

@@ -18,7 +18,7 @@ from .choice import token_choices
 from .drafting import Drafter, zero_stats
 from .grammar import TokenMask
 from .lanes import Lanes
-from .prefix import StateSlots, next_key, root_key
+from .prefix_plan import PrefixPlanner
 from .sampling import adjust_logits, sample_token, top_logprobs
 from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
@@ -32,7 +32,6 @@ class Scheduler:
         self.runs = lanes.runs
         self.step_tokens = step_tokens
         self.ctx = ctx
-        self.cache_identity = cache_identity  # what else makes a page's KV (prefix.root_key)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.round_index = 0
@@ -41,9 +40,7 @@ class Scheduler:
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafters/registry.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
         self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
-        self.state_slots: StateSlots | None = None  # hybrids with a prefix cache (build)
-        self._states_to_keep: list[tuple[int, int]] = []  # (lane, slot) since the last plan
-        self._states_to_resume: list[tuple[int, int]] = []  # (slot, lane)
+        self.prefix = PrefixPlanner(lanes.runs, cache_identity=cache_identity, recurrent=recurrent)
 
     # ---- inbox --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -70,6 +67,7 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> RoundPlan:
         self.round_index += 1
+        self.prefix.drop_copy_sources()  # the last plan's copies have run (or it failed)
         pages_to_zero: list[int] = []
         while True:
             self._admit(pages_to_zero)
@@ -79,13 +77,11 @@ class Scheduler:
             self._preempt(self.running[-1])  # pages exhausted by partial prompts: make room
         steps = self._steps_for(rows, pages_to_zero)
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
+        keep, resume, copies = self.prefix.take_plan_parts()
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
-                         tuple(sorted(self._lanes_to_restore)), tuple(self._states_to_keep),
-                         tuple(self._states_to_resume), steps)
+                         tuple(sorted(self._lanes_to_restore)), keep, resume, steps, copies)
         self._lanes_to_zero.clear()
         self._lanes_to_restore.clear()
-        self._states_to_keep.clear()
-        self._states_to_resume.clear()
         return plan
 
     def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
@@ -150,9 +146,10 @@ class Scheduler:
     def _steps_for(self, rows: list[SeqRows], pages_to_zero: list[int]) -> int:
         """Decode steps of this round (RoundPlan.steps): up to `decode_steps` when every row is
         one plain decode row whose token may be chosen where the logits are (no drafter, no
-        recurrent state, no prompt rows); no more than any stream may still take (max_tokens,
-        ctx), and each stream's run holds every step's position (else one step)."""
-        if (self.decode_steps < 2 or not rows or self.drafter is not None or self.recurrent
+        prompt rows; a hybrid's recurrent state advances one token a step, as in plain rounds);
+        no more than any stream may still take (max_tokens, ctx), and each stream's run holds
+        every step's position (else one step)."""
+        if (self.decode_steps < 2 or not rows or self.drafter is not None
                 or any(len(r.token_ids) != 1 or r.num_logit_rows != 1 or not r.choices for r in rows)):
             return 1
         by_id = {s.request_id: s for s in self.running}
@@ -175,8 +172,8 @@ class Scheduler:
     def _prompt_cut(self, seq: Sequence, budget: int, pages_to_zero: list[int]) -> SeqRows | None:
         lane = seq.lane
         assert lane is not None
-        self._reuse_prefix(seq)
-        num_rows = min(seq.num_pending, budget)
+        self.prefix.reuse(seq, pages_to_zero)
+        num_rows = min(seq.num_pending, budget, self.prefix.rows_to_next_state(seq))
         if self.runs.paging:
             room = (len(self.runs.pages(lane)) + self.runs.num_available) * self.runs.page_size
             num_rows = min(num_rows, room - seq.num_computed)
@@ -191,84 +188,12 @@ class Scheduler:
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, samples, (),
                        token_choices(seq, samples))
 
-    # ---- prefix cache -----------------------------------------------------------------
-    def _page_key(self, seq: Sequence, page_index: int) -> bytes:
-        """Chain key of the stream's page `page_index` (keys are computed once a stream)."""
-        while len(seq.page_keys) <= page_index:
-            i = len(seq.page_keys)
-            previous = seq.page_keys[-1] if seq.page_keys else root_key(self.cache_identity,
-                                                                        seq.cache_salt)
-            seq.page_keys.append(next_key(previous, self._page_tokens(seq, i)))
-        return seq.page_keys[page_index]
-
-    def _page_tokens(self, seq: Sequence, page_index: int) -> tuple[int, ...]:
-        size = self.runs.page_size
-        return tuple(seq.token_slice(page_index * size, (page_index + 1) * size))
-
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Before a prompt cut whose run ends on a page boundary: take the cached pages that
-        continue the stream's tokens (never its last token: its logits are needed)."""
-        cache, lane, size = self.runs.cache, seq.lane, self.runs.page_size
-        if cache is None or lane is None or len(self.runs.pages(lane)) * size != seq.num_computed:
-            return
-        if self.recurrent and seq.num_computed > 0:
-            return  # a hybrid's state continues only from a kept state, at its first cut
-        found: list[int] = []
-        for i in range(seq.num_computed // size, (seq.num_tokens - 1) // size):
-            page_id = cache.lookup(self._page_key(seq, i), self._page_tokens(seq, i))
-            if page_id is None:
-                break
-            found.append(page_id)
-        if self.recurrent:
-            found = found[:self._resume_state(seq, len(found))]
-        if found:
-            self.runs.share(lane, found)
-            cache.num_hit_pages += len(found)
-            if seq.num_computed == 0:
-                seq.num_cached_tokens = min(len(found) * size, len(seq.prompt_ids))
-            seq.num_computed += len(found) * size
-            seq.num_published = len(self.runs.pages(lane))
-
-    def _resume_state(self, seq: Sequence, num_pages: int) -> int:
-        """Hybrids: the most cached pages (<= num_pages) after which a state is kept; the
-        lane resumes from that state (plan.states_to_resume). 0: none, start from zero."""
-        assert seq.lane is not None
-        slots = self.state_slots
-        if slots is None:
-            return 0
-        for count in range(num_pages, 0, -1):
-            slot = slots.lookup(self._page_key(seq, count - 1))
-            if slot is not None:
-                self._states_to_resume.append((slot, seq.lane))
-                slots.num_resumed += 1
-                return count
-        return 0
-
     def _keep_state(self, seq: Sequence) -> None:
-        """Hybrids: after a round that left the stream's state exactly at a page boundary
-        (no rollback pending), keep a copy of it for streams that resume from there."""
-        lane, size = seq.lane, self.runs.page_size
-        if (self.state_slots is None or lane is None or seq.num_computed == 0
-                or seq.num_computed % size or seq.num_redo or lane in self._lanes_to_restore):
-            return
-        slot = self.state_slots.take(self._page_key(seq, seq.num_computed // size - 1))
-        if slot is not None:
-            self._states_to_keep.append((lane, slot))
-
-    def prefix_state_stats(self) -> dict[str, int]:
-        return self.state_slots.stats() if self.state_slots is not None else {}
-
-    def _publish_pages(self, seq: Sequence) -> None:
-        """Offer the run's newly full pages (every row committed) to the prefix cache."""
-        if self.runs.cache is None or seq.lane is None:
-            return
-        full = seq.num_computed // self.runs.page_size
-        for i in range(seq.num_published, full):
-            self.runs.publish(seq.lane, i, self._page_key(seq, i), self._page_tokens(seq, i))
-        seq.num_published = max(seq.num_published, full)
+        lane = seq.lane
+        self.prefix.keep_state(seq, rolled_back=lane is not None and lane in self._lanes_to_restore)
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        return self.runs.cache.stats() if self.runs.cache is not None else {}
+        return {**self.prefix.cache_stats(), **self.prefix.state_stats()}
 
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
@@ -279,18 +204,24 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence, *, failed: bool = False) -> None:
+    def _release(self, seq: Sequence, *, failed: bool = False, state_past_end: bool = False
+                 ) -> None:
         if seq.lane is not None:
             if not failed:  # its committed rows stay useful to later streams
-                self._publish_pages(seq)
-                self._keep_state(seq)
+                self.prefix.publish_pages(seq)
+                self.prefix.publish_partial(seq)
+                if not state_past_end:
+                    self._keep_state(seq)
             self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
+            released = self.runs.pages(seq.lane)
             self.lanes.release(seq.lane)
+            self.prefix.drop_copies_into(released)
             seq.lane = None
             seq.num_published = 0
 
     # ---- update -------------------------------------------------------------------------
     def update(self, plan: RoundPlan, result: RoundResult) -> list[TokenEvent]:
+        self.prefix.drop_copy_sources()
         events: list[TokenEvent] = []
         by_id = {s.request_id: s for s in self.running}
         for rows in plan.rows:
@@ -310,7 +241,7 @@ class Scheduler:
                 events.append(self._accept(seq, rows, result))
             elif self.drafter is not None:  # a mid-prompt step: ring drafters sync its rows
                 self.drafter.absorb(seq, rows, 0, result.hidden.get(seq.request_id))
-            self._publish_pages(seq)
+            self.prefix.publish_pages(seq)
             self._keep_state(seq)
         return events
 
@@ -366,7 +297,9 @@ class Scheduler:
             self.drafter.absorb(seq, rows, len(new_ids), result.hidden.get(seq.request_id))
         lp = tuple(logprobs) if seq.params.logprobs is not None else None
         if finish:
-            return self.finish(seq, finish, new_ids=new_ids, logprobs=lp)
+            # a stop inside the round's drafts or decode steps: the lane's recurrent state has
+            # taken the rows after it too, so it is no state of num_computed to keep
+            return self.finish(seq, finish, new_ids=new_ids, logprobs=lp, state_past_end=True)
         return TokenEvent(seq.request_id, tuple(new_ids), lp)
 
     def _roll_back(self, seq: Sequence, rows: SeqRows) -> None:
@@ -391,10 +324,11 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str | None, *, error: str | None = None,
-               new_ids: list[int] | None = None, logprobs=None) -> TokenEvent:
+               new_ids: list[int] | None = None, logprobs=None,
+               state_past_end: bool = False) -> TokenEvent:
         """End a stream: release its lane (the one release path) and drop it."""
         seq.finished = True
-        self._release(seq, failed=error is not None)
+        self._release(seq, failed=error is not None, state_past_end=state_past_end)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -41,7 +41,8 @@ class Sequence:
     cache_salt: str | None = None  # prefix cache: streams share pages only with equal salts
     page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
     num_published: int = 0  # pages of the current run offered to the prefix cache
-    num_cached_tokens: int = 0  # prompt rows taken from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt rows taken from the prefix cache
+    moving_state_key: bytes | None = None  # hybrids: the key of the stream's moving kept state
     mask: TokenMask | None = None  # the grammar state of a constrained request (its outputs so far)
 
     @property
@@ -115,6 +116,9 @@ class RoundPlan:
     # runs `steps` forwards in a row, step k at start_pos + k on the token chosen at step
     # k - 1 (fed where it was chosen: on the device, no host round trip between steps).
     steps: int = 1
+    # Prefix cache (dense): (source page, page, rows): rows [0, rows) of a cached page copied
+    # into the same rows of a run's new page, after pages_to_zero and before the forward
+    page_copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:

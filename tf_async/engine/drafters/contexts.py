@@ -26,6 +26,7 @@ class DraftContext:
     base_pos: int = 0  # position of the first draft fed in the last propose
     num_fed: int = 0  # drafts whose ring rows were written in the last propose
     has_state: bool = False  # views.state holds the hidden of position num_valid (MTP)
+    num_kept: int = 0  # MTP with a prefix cache: slots of positions < num_kept are on pages
 
     @property
     def borrowed(self) -> bool:
@@ -35,6 +36,7 @@ class DraftContext:
         self.lane, self.request_id = lane, request_id
         self.num_valid = self.base_pos = self.num_fed = 0
         self.has_state = False
+        self.num_kept = 0
 
 
 class DraftContexts:

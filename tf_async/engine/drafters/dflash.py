@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ..drafting import DrafterSpec
     from ..options import EngineOptions
     from ..runner import Runner
+    from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
 log = logging.getLogger("tf_async.drafting")
@@ -87,7 +88,9 @@ class DFlashDrafter(ContextDrafter):
         assert ctx.views is not None
         lo = ctx.num_valid
         if lo < start_pos or valid_end < lo:
-            ctx.num_valid = -1  # a gap (never expected): stop drafting for this stream
+            # a gap: the stream resumed from cached prefix pages (no DFlash context is kept
+            # beside them yet), so it decodes without drafts
+            ctx.num_valid = -1
             return
         if valid_end > lo:
             positions = self.ops.asarray(np.arange(lo, valid_end, dtype=np.int64))
@@ -113,7 +116,7 @@ def dflash_layout(ckpt: DFlashCheckpoint, capacity: int) -> AreaLayout:
 
 
 def make_dflash_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
-                        runner: Runner, num_lanes: int) -> DFlashDrafter:
+                        runner: Runner, scheduler: Scheduler) -> DFlashDrafter:
     """Load and check the drafter against the target; the runner then returns every row's
     target_layer_ids outputs."""
     assert spec.path is not None
@@ -123,7 +126,7 @@ def make_dflash_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpo
     weights = runner.decoder.weights
     model = DFlashModel(drafter_ckpt, runner.ops, weights.embed, weights.lm_head)
     layout = dflash_layout(drafter_ckpt, ring_capacity(drafter_ckpt, options))
-    contexts = make_contexts(runner, layout, options.num_draft_areas(num_lanes))
+    contexts = make_contexts(runner, layout, options.num_draft_areas(scheduler.lanes.num_lanes))
     runner.all_hidden = True
     runner.capture_layers = drafter_ckpt.config.target_layer_ids
     draft_tokens = min(options.draft_tokens, drafter_ckpt.config.block_size - 1)

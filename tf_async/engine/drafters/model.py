@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..drafting import DrafterSpec
     from ..options import EngineOptions
     from ..runner import Runner
+    from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
 log = logging.getLogger("tf_async.drafting")
@@ -92,9 +93,9 @@ class ModelDrafter(ContextDrafter):
 
 # ---- construction -------------------------------------------------------------------------
 def make_model_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
-                       runner: Runner, num_lanes: int) -> ModelDrafter:
+                       runner: Runner, scheduler: Scheduler) -> ModelDrafter:
     """`draft:PATH`: the draft model's decoder on the target's Ops, its ring in the run."""
-    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(scheduler.lanes.num_lanes)
     assert spec.path is not None
     draft, decoder, kv_scales = _load_draft(spec.path, ckpt, runner, options.kv_dtype)
     layout = AreaLayout.for_model(draft.config, capacity, options.kv_dtype)

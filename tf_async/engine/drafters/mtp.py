@@ -26,17 +26,19 @@ from ...errors import BadInputError
 from ...models.batch_io import ForwardBatch
 from ...models.mtp import MtpHead, make_mtp_head
 from ...models.qwen35 import GatedAttentionWeights, HybridWeights, MtpWeights
-from ..area import AreaLayout
+from ..area import KV_NP_DTYPE, AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
 from .base import ContextDrafter
 from .contexts import DraftContext, DraftContexts, make_contexts
+from .page_slots import PageSlots, make_page_slots
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
     from ..drafting import DrafterSpec
     from ..options import EngineOptions
     from ..runner import Runner
+    from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
 log = logging.getLogger("tf_async.drafting")
@@ -49,6 +51,7 @@ class MtpDrafter(ContextDrafter):
                  draft_tokens: int):
         super().__init__(head.ops, kv_scales, contexts, draft_tokens)  # kv_scales: [1, 2]
         self.head = head
+        self.page_slots: PageSlots | None = None  # with a prefix cache (make_mtp_drafter)
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
         return ready(ctx, seq)
@@ -101,10 +104,12 @@ class MtpDrafter(ContextDrafter):
         """Slots [num_valid, valid_end - 1) into the ring; h_{valid_end - 1} becomes the state.
         hidden: the target's rows at positions start_pos.. (those < valid_end are committed)."""
         assert ctx.views is not None
+        if (ctx.num_valid + 1 if ctx.has_state else ctx.num_valid) < start_pos:
+            self._rebuild(ctx, seq, start_pos)  # the stream resumed from cached pages
         lo, hi = ctx.num_valid, valid_end - 1
         first = lo + 1 if ctx.has_state else lo  # first slot whose hidden is a row of this step
         if first < start_pos or hi < lo:
-            ctx.num_valid = -1  # a gap (never expected): stop drafting for this stream
+            ctx.num_valid = -1  # a gap (no slots kept for the prefix): no drafts for this stream
             return
         if hi > lo:
             rows_h = hidden[first - start_pos: hi - start_pos]
@@ -114,6 +119,28 @@ class MtpDrafter(ContextDrafter):
                         self.kv_scales)
         ctx.views.state[...] = hidden[hi - start_pos]
         ctx.num_valid, ctx.has_state = hi, True
+        self._keep(ctx, seq, hidden, start_pos, valid_end)
+
+    def _rebuild(self, ctx: DraftContext, seq: Sequence, start_pos: int) -> None:
+        """The ring's slots of a reused prefix [0, start_pos), copied from its cached pages."""
+        assert ctx.views is not None
+        slots = self.page_slots
+        if slots is None or not slots.can_rebuild(seq, start_pos):
+            return  # _sync then finds the gap and this stream decodes without drafts
+        slots.copy_to_ring(seq, ctx.views.ring, ctx.views.state, start_pos)
+        ctx.num_valid, ctx.has_state, ctx.num_kept = start_pos - 1, True, start_pos
+
+    def _keep(self, ctx: DraftContext, seq: Sequence, hidden: Array, start_pos: int,
+              valid_end: int) -> None:
+        """With a prefix cache: the ring's new committed slots and last hiddens onto the pages."""
+        if self.page_slots is None or ctx.views is None:
+            return
+        capacity = int(ctx.views.ring.shape[2])  # slots older than that are gone from the ring
+        first = max(ctx.num_kept, ctx.num_valid - capacity + 1, 1)
+        self.page_slots.keep(seq, ctx.views.ring, first, ctx.num_valid + 1)
+        self.page_slots.keep_hidden(seq, hidden, start_pos, valid_end)
+        ctx.num_kept = ctx.num_valid + 1
+
 
 def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
                 kv_scales: Array) -> None:
@@ -169,16 +196,24 @@ def require_mtp_head(ckpt: Checkpoint) -> MtpWeights:
 
 
 def make_mtp_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
-                     runner: Runner, num_lanes: int) -> MtpDrafter:
+                     runner: Runner, scheduler: Scheduler) -> MtpDrafter:
     """The MTP drafter on the runner's hybrid decoder; the runner then returns every row's
     hidden state (the ring is synced from them)."""
-    capacity, num_areas = options.ring_capacity, options.num_draft_areas(num_lanes)
+    capacity, num_areas = options.ring_capacity, options.num_draft_areas(scheduler.lanes.num_lanes)
     require_mtp_head(ckpt)
     head = make_mtp_head(runner.decoder)
     scales = ring_kv_scales(head, ckpt, options.kv_dtype)
-    contexts = make_contexts(runner, mtp_layout(ckpt, capacity, options.kv_dtype), num_areas)
+    layout = mtp_layout(ckpt, capacity, options.kv_dtype)
+    contexts = make_contexts(runner, layout, num_areas)
     runner.all_hidden = True
-    return MtpDrafter(head, runner.ops.asarray(scales), contexts, options.draft_tokens)
+    drafter = MtpDrafter(head, runner.ops.asarray(scales), contexts, options.draft_tokens)
+    if scheduler.runs.cache is not None:  # resumed streams rebuild their rings from the pages
+        drafter.page_slots = make_page_slots(
+            runner.ops, scheduler.runs, scheduler.prefix.page_key, num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim, hidden_size=layout.hidden_size,
+            ring_dtype=KV_NP_DTYPE[options.kv_dtype])
+        runner.arena.add_drafter_pages(drafter.page_slots.num_bytes)
+    return drafter
 
 
 def ring_kv_scales(head: MtpHead, ckpt: Checkpoint, kv_dtype: str) -> np.ndarray:

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from ..drafting import DrafterSpec
     from ..options import EngineOptions
     from ..runner import Runner
+    from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
 
 def make_ngram_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoint,
-                       runner: Runner, num_lanes: int) -> NgramDrafter:
+                       runner: Runner, scheduler: Scheduler) -> NgramDrafter:
     return NgramDrafter(options.draft_tokens, min_ngram=options.ngram_min)
 
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from ..runner import Runner
     from ..sched import Scheduler
 
-# (spec, options, target checkpoint, runner, number of lanes) -> the drafter
-MakeDrafter = Callable[[DrafterSpec, "EngineOptions", "Checkpoint", "Runner", int], Drafter]
+# (spec, options, target checkpoint, runner, scheduler) -> the drafter
+MakeDrafter = Callable[[DrafterSpec, "EngineOptions", "Checkpoint", "Runner", "Scheduler"],
+                       Drafter]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +31,6 @@ class DrafterKind:
     name: str
     make: MakeDrafter
     takes_path: bool = False  # written `name:PATH`
-    # Keeps a ring of K/V rows that follows every row of the target (its prompt rows too):
-    # a stream of such a drafter cannot start from cached prefix pages.
-    keeps_a_ring: bool = False
 
     @property
     def usage(self) -> str:
@@ -41,9 +39,9 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (
     DrafterKind("ngram", make_ngram_drafter),
-    DrafterKind("mtp", make_mtp_drafter, keeps_a_ring=True),
-    DrafterKind("draft", make_model_drafter, takes_path=True, keeps_a_ring=True),
-    DrafterKind("dflash", make_dflash_drafter, takes_path=True, keeps_a_ring=True),
+    DrafterKind("mtp", make_mtp_drafter),
+    DrafterKind("draft", make_model_drafter, takes_path=True),
+    DrafterKind("dflash", make_dflash_drafter, takes_path=True),
 )}
 
 
@@ -57,18 +55,13 @@ def parse_drafter(spec: str) -> DrafterSpec:
     raise BadInputError(f"unknown drafter {spec!r}: expected one of {expected}", param="drafter")
 
 
-def keeps_a_ring(spec: str) -> bool:
-    """Whether the drafter `spec` names keeps a ring that follows every row of the target."""
-    return KINDS[parse_drafter(spec).kind].keeps_a_ring
-
-
 def attach_drafter(options: EngineOptions, ckpt: Checkpoint, scheduler: Scheduler,
                    runner: Runner, lanes: Lanes) -> Drafter:
     """Build the drafter of options.drafter (ring drafters take their arena region) and
     hook its release into the lane's one release path."""
     assert options.drafter is not None
     spec = parse_drafter(options.drafter)
-    drafter = KINDS[spec.kind].make(spec, options, ckpt, runner, lanes.num_lanes)
+    drafter = KINDS[spec.kind].make(spec, options, ckpt, runner, scheduler)
     scheduler.drafter = drafter
     lanes.add_release_hook(drafter.release)
     return drafter
