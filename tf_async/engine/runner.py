@@ -238,6 +238,8 @@ class Runner:
             start += rows.num_logit_rows
         sampler = self.sampler
         on_device = [(r, s) for r, s in spans if r.choices] if sampler is not None else []
+        if not spans:  # only prompt rows before their last (no logits wanted): nothing to copy
+            return {}, {}
         if not on_device:  # CPU, or no request can skip the host: today's path, bit for bit
             host = self.ops.to_host(logits)
             return {r.request_id: host[s: s + r.num_logit_rows] for r, s in spans}, {}
