@@ -43,7 +43,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="where the model runs (auto: the GPU when there is one)")
     parser.add_argument("--kv-dtype", default="f32", choices=("f32", "bf16", "fp8"),
                         help="dtype of the KV cache (bf16/fp8 fit more tokens in memory)")
-    parser.add_argument("--drafter", default=None, help="speculative drafter: ngram, mtp or draft:PATH")
+    parser.add_argument("--drafter", default=None, help="speculative drafter: ngram, mtp, draft:PATH or dflash:PATH "
+                        "(a DFlash / DFlash2 checkpoint)")
     parser.add_argument("--draft-tokens", type=int, default=4,
                         help="tokens the drafter proposes per round")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
