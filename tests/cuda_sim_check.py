@@ -420,10 +420,9 @@ def _check_attention_prompt(rng: np.random.Generator) -> None:
                        page_size, 0.2)
         assert np.array_equal(solo[0], out[r]), "prompt row depends on the other rows"
         _check_attention_int8_out(q, kv_layer, block_table, row_seq, row_pos, page_size, out)
-    _check_attention_tiled(rng)
 
 
-def _check_attention_tiled(rng: np.random.Generator) -> None:
+def check_attention_tiled(rng: np.random.Generator) -> None:
     """The tiled prompt kernel (cuda_kernels/attention_tiled.py) gives attention.py's bits:
     causal rows of one stream crossing chunk boundaries and the switch to longer chunks, and a
     launch mixing two streams' rows with decode rows (blocks serving two sequences), every KV
@@ -768,6 +767,7 @@ CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "embed": check_embed,
     "attention": check_attention,
     "attention_wide_heads": check_attention_wide_heads,
+    "attention_tiled": check_attention_tiled,
     "kv_write": check_kv_write,
     "e4m3_exhaustive": check_e4m3_exhaustive,
     "zero_pages": check_zero_pages,
