@@ -56,11 +56,29 @@ class Decoder:
                 h = h + self._attention(index, layer, h, batch, kv, kv_scales)
                 h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
             captured_rows(ops, batch, index, h, captured)
+        return self.head(h, batch, captured, all_hidden=all_hidden)
+
+    def head(self, h: Array, batch: ForwardBatch, captured: dict[int, Array], *,
+             all_hidden: bool = False) -> tuple[Array, Array]:
+        """The final norm and lm_head of the last layer's rows h [rows, H] (forward's result)."""
+        ops, w = self.ops, self.weights
         hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm,
                               self.config.rms_norm_eps)
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
         return ops.linear(logit_hidden, w.lm_head), (hidden_rows(ops, batch, captured, hidden)
                                                      if all_hidden else hidden)
+
+    def attention_term(self, index: int, h: Array, batch: ForwardBatch, kv: Array,
+                       kv_scales: Array) -> Array:
+        """Layer `index`'s attention output [rows, H] that joins the residual h (the basic
+        ops; with a rank's weights: that rank's partial sum, tensor parallel)."""
+        return self._attention(index, self.weights.layers[index], h, batch, kv, kv_scales)
+
+    def mlp_term(self, index: int, h: Array) -> Array:
+        """Layer `index`'s MLP output [rows, H] from the residual h (post-attention norm
+        included; with a rank's weights: that rank's partial sum)."""
+        layer = self.weights.layers[index]
+        return self._mlp(index, layer, self.ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
 
     def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
                    kv: Array, kv_scales: Array) -> Array:
