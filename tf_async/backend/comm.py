@@ -37,6 +37,11 @@ class Communicator(Protocol):
         all of them."""
         ...
 
+    def to_rank(self, rank: int, array: Array) -> Array:
+        """`array` (C-contiguous, on any rank) where rank `rank` reads it: the array itself
+        when it is already there, else a device-to-device copy on rank's current stream."""
+        ...
+
 
 class FakeCommunicator:
     """All ranks in one process on the CPU; the sum in a fixed order (rank 0 first)."""
@@ -52,6 +57,9 @@ class FakeCommunicator:
 
     def scope(self, rank: int) -> AbstractContextManager[Any]:
         return nullcontext()
+
+    def to_rank(self, rank: int, array: Array) -> Array:
+        return array  # one process, one memory: every rank reads the same array
 
     def all_reduce(self, buffers: Sequence[Array]) -> None:
         _check_buffers(buffers, self._size)
@@ -85,6 +93,21 @@ class NcclCommunicator:
     def scope(self, rank: int) -> AbstractContextManager[Any]:
         device: AbstractContextManager[Any] = self._cupy.cuda.Device(self.devices[rank])
         return device
+
+    def to_rank(self, rank: int, array: Array) -> Array:
+        device = self.devices[rank]
+        if array.device.id == device:
+            return array
+        cuda = self._cupy.cuda
+        with cuda.Device(array.device.id):  # the copy waits for the source's stream
+            written = cuda.Event(disable_timing=True)
+            written.record(cuda.get_current_stream())
+        with self.scope(rank):
+            out = self._cupy.empty_like(array)  # on `device`
+            stream = cuda.get_current_stream()
+            stream.wait_event(written)
+            out.data.copy_from_device_async(array.data, array.nbytes, stream)  # a peer copy
+        return out
 
     def all_reduce(self, buffers: Sequence[Array]) -> None:
         _check_buffers(buffers, self.size)

@@ -65,6 +65,7 @@ class TPDecoder:
         for rank, ops in enumerate(rank_ops):
             with comm.scope(rank):
                 self.ranks.append(Decoder(shard_checkpoint(ckpt, rank, comm.size), ops))
+        self._scales: tuple[Array, list[Array]] | None = None  # (rank 0's, each rank's copy)
 
     @property
     def size(self) -> int:
@@ -119,7 +120,7 @@ class TPDecoder:
                 all_hidden: bool = False) -> tuple[Array, Array]:
         """DecoderProtocol.forward over the ranks; kv is the arena's ShardedKV."""
         batches = [self._on_rank(rank, batch) for rank in range(self.size)]
-        scales = [self._on_rank_array(rank, kv_scales) for rank in range(self.size)]
+        scales = self._scales_on_ranks(kv_scales)
         ranks = self.ranks
         hs = self._each(lambda r: ranks[r].ops.embed(ranks[r].weights.embed, batches[r].token_ids))
         captured: dict[int, Array] = {}
@@ -136,7 +137,7 @@ class TPDecoder:
         out = self.forward(batch, scratch, kv_scales)
         for rank, part in enumerate(scratch.ranks):
             heads = scratch.heads_of(rank)
-            kv[:, :, :, heads.start:heads.stop] = self.ops.xp.asarray(part)
+            kv[:, :, :, heads.start:heads.stop] = self.comm.to_rank(0, part)
         return out
 
     def _layer(self, index: int, hs: list[Array], batches: list[ForwardBatch], kv: ShardedKV,
@@ -163,17 +164,17 @@ class TPDecoder:
                 h += part
 
     def _on_rank(self, rank: int, batch: ForwardBatch) -> ForwardBatch:
-        """The batch's index arrays on rank `rank`'s device (the batch itself where the ranks
-        share one ops: the CPU)."""
-        if self.ranks[rank].ops is self.ops:
+        """The batch's index arrays on rank `rank`'s device, copied from rank 0's device (not
+        from the host copy: decode steps write token ids on the device). The batch itself
+        where the ranks share one memory (the CPU)."""
+        if rank == 0 or self.ranks[rank].ops is self.ops:
             return batch
-        copies = {name: self._on_rank_array(rank, getattr(batch, name)) for name in FIELDS}
+        copies = {name: self.comm.to_rank(rank, getattr(batch, name)) for name in FIELDS}
         return replace(batch, **copies, packed=None, capture_layers=(), hidden_in=None,
                        seq_lanes=None)
 
-    def _on_rank_array(self, rank: int, array: Array) -> Array:
-        ops = self.ranks[rank].ops
-        if ops is self.ops:
-            return array
-        with self.comm.scope(rank):
-            return ops.xp.array(array, copy=True)  # a peer copy onto the rank's device
+    def _scales_on_ranks(self, kv_scales: Array) -> list[Array]:
+        """The arena's KV scales on every rank, copied once (they never change after start)."""
+        if self._scales is None or self._scales[0] is not kv_scales:
+            self._scales = (kv_scales, [self.comm.to_rank(r, kv_scales) for r in range(self.size)])
+        return self._scales[1]
