@@ -69,12 +69,13 @@ def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], N
 def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) -> EngineParts:
     ckpt = load_model(options.model)
     num_lanes = options.parallel
-    split = _tensor_parallel(ckpt, options)
+    tp = _tensor_parallel(ckpt, options)
     decoder: DecoderProtocol
-    if split is None:
+    if tp is None:
         decoder = make_decoder(ckpt, make_ops(options.device), num_lanes=num_lanes)
     else:
-        decoder = split
+        decoder = tp
+    split = None if tp is None else tp.group
     ops = decoder.ops  # tensor parallel: rank 0's (batches, logits and sampling live there)
     recurrent = decoder.states is not None  # hybrids: one state slot a lane
     runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options))

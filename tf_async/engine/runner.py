@@ -21,7 +21,7 @@ from ..backend.base import Array, DeviceSampler, Ops, device_sampler
 from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
 from ..models.protocol import DecoderProtocol
 from ..models.qwen35 import RecurrentStates
-from ..models.tp_decoder import TPDecoder
+from ..models.tp_decoder import RankGroup
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
 
@@ -31,7 +31,7 @@ class Arena:
 
     def __init__(self, ops: Ops, decoder: DecoderProtocol, *, num_pages: int, page_size: int,
                  kv_dtype: str, kv_scales: np.ndarray | None = None,
-                 split: TPDecoder | None = None):
+                 split: RankGroup | None = None):
         cfg = decoder.config
         self.num_pages = num_pages
         self.page_size = page_size

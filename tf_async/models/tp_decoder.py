@@ -52,19 +52,16 @@ class ShardedKV:
         return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-class TPDecoder:
-    """DecoderProtocol over `comm.size` ranks of a dense checkpoint (llama/qwen2/qwen3/qwen3_moe)."""
+class RankGroup:
+    """The ranks of one TP group: each rank's ops, the communicator, and what every TP
+    decoder does over them (the split arena, batches on each rank, the all-reduce)."""
 
-    def __init__(self, ckpt: Checkpoint, rank_ops: Sequence[Ops], comm: Communicator):
-        check_tensor_parallel(ckpt, comm.size)
+    def __init__(self, rank_ops: Sequence[Ops], comm: Communicator, rank_config: ModelConfig):
         if len(rank_ops) != comm.size:
-            raise ValueError(f"TPDecoder: {len(rank_ops)} ops for {comm.size} ranks")
-        self.config: ModelConfig = ckpt.config  # the whole model's: what the page table counts
+            raise ValueError(f"tensor parallel: {len(rank_ops)} ops for {comm.size} ranks")
+        self.rank_ops = list(rank_ops)
         self.comm = comm
-        self.ranks: list[Decoder] = []
-        for rank, ops in enumerate(rank_ops):
-            with comm.scope(rank):
-                self.ranks.append(Decoder(shard_checkpoint(ckpt, rank, comm.size), ops))
+        self.rank_config = rank_config  # a rank's KV layers, heads and head_dim
         self._scales: tuple[Array, list[Array]] | None = None  # (rank 0's, each rank's copy)
 
     @property
@@ -74,7 +71,91 @@ class TPDecoder:
     @property
     def ops(self) -> Ops:
         """Rank 0's ops: the engine's (batches, logits and sampling live there)."""
-        return self.ranks[0].ops
+        return self.rank_ops[0]
+
+    # ---- the split arena
+    def alloc_kv(self, num_slots: int, kv_dtype: str) -> ShardedKV:
+        """Each rank's share of an arena of `num_slots` rows (its KV heads only)."""
+        cfg = self.rank_config
+        return ShardedKV(tuple(self.each(lambda r: self.rank_ops[r].alloc_kv(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, kv_dtype))))
+
+    def zero_pages(self, kv: ShardedKV, page_ids: np.ndarray, page_size: int) -> None:
+        """Zero pages `page_ids` (host int32) on every rank."""
+        for rank, (ops, part) in enumerate(zip(self.rank_ops, kv.ranks, strict=True)):
+            with self.comm.scope(rank):
+                ops.zero_pages(part, ops.asarray(page_ids), page_size)
+
+    def copy_rows(self, kv: ShardedKV, source_rows: slice, target_rows: slice) -> None:
+        """Slots `source_rows` into `target_rows` on every rank, every layer."""
+        for rank, part in enumerate(kv.ranks):
+            with self.comm.scope(rank):
+                part[:, :, target_rows] = part[:, :, source_rows]
+
+    def gather_kv(self, sharded: ShardedKV, kv: Array) -> None:
+        """The ranks' heads side by side into a plain kv [layers, 2, rows, nkv, hd] on rank 0."""
+        for rank, part in enumerate(sharded.ranks):
+            heads = sharded.heads_of(rank)
+            kv[:, :, :, heads.start:heads.stop] = self.comm.to_rank(0, part)
+
+    def synchronize(self) -> None:
+        for rank, ops in enumerate(self.rank_ops):
+            with self.comm.scope(rank):
+                ops.synchronize()
+
+    # ---- the forward's plumbing
+    def each(self, work: Callable[[int], Array]) -> list[Array]:
+        """work(rank) for every rank in order, each inside its rank's scope (its device)."""
+        out = []
+        for rank in range(self.size):
+            with self.comm.scope(rank):
+                out.append(work(rank))
+        return out
+
+    def add_reduced(self, hs: list[Array], parts: list[Array]) -> None:
+        """h_r += the sum of every rank's partial (the row-parallel matmuls' all-reduce)."""
+        self.comm.all_reduce(parts)
+        for rank, (h, part) in enumerate(zip(hs, parts, strict=True)):
+            with self.comm.scope(rank):
+                h += part
+
+    def batches(self, batch: ForwardBatch) -> list[ForwardBatch]:
+        """The batch's index arrays on each rank's device, copied from rank 0's device (not
+        from the host copy: decode steps write token ids on the device); the batch itself
+        where the ranks share one memory (the CPU)."""
+        return [batch if rank == 0 or self.rank_ops[rank] is self.ops
+                else self._moved(rank, batch) for rank in range(self.size)]
+
+    def _moved(self, rank: int, batch: ForwardBatch) -> ForwardBatch:
+        copies = {name: self.comm.to_rank(rank, getattr(batch, name)) for name in FIELDS}
+        lanes = None if batch.seq_lanes is None else self.comm.to_rank(rank, batch.seq_lanes)
+        return replace(batch, **copies, seq_lanes=lanes, packed=None, capture_layers=(),
+                       hidden_in=None)
+
+    def scales(self, kv_scales: Array) -> list[Array]:
+        """The arena's KV scales on every rank, copied once (they never change after start)."""
+        if self._scales is None or self._scales[0] is not kv_scales:
+            self._scales = (kv_scales, [self.comm.to_rank(r, kv_scales) for r in range(self.size)])
+        return self._scales[1]
+
+
+class TPDecoder:
+    """DecoderProtocol over `comm.size` ranks of a dense checkpoint (llama/qwen2/qwen3/qwen3_moe)."""
+
+    def __init__(self, ckpt: Checkpoint, rank_ops: Sequence[Ops], comm: Communicator):
+        check_tensor_parallel(ckpt, comm.size)
+        self.config: ModelConfig = ckpt.config  # the whole model's: what the page table counts
+        shards = [shard_checkpoint(ckpt, rank, comm.size) for rank in range(comm.size)]
+        self.group = RankGroup(rank_ops, comm, shards[0].config)
+        self.ranks: list[Decoder] = self.group.each(lambda r: Decoder(shards[r], rank_ops[r]))
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def ops(self) -> Ops:
+        return self.group.ops
 
     @property
     def weights(self) -> ModelWeights:
@@ -87,47 +168,22 @@ class TPDecoder:
     def argmax_of(self, logits: Array) -> None:
         return None
 
-    # ---- the split arena
     def alloc_kv(self, num_slots: int, kv_dtype: str) -> ShardedKV:
-        """Each rank's share of an arena of `num_slots` rows (its KV heads only)."""
-        kvs = []
-        for rank, dec in enumerate(self.ranks):
-            cfg = dec.config
-            with self.comm.scope(rank):
-                kvs.append(dec.ops.alloc_kv(cfg.num_layers, num_slots, cfg.num_kv_heads,
-                                            cfg.head_dim, kv_dtype))
-        return ShardedKV(tuple(kvs))
+        return self.group.alloc_kv(num_slots, kv_dtype)
 
-    def zero_pages(self, kv: ShardedKV, page_ids: np.ndarray, page_size: int) -> None:
-        """Zero pages `page_ids` (host int32) on every rank."""
-        for rank, (dec, part) in enumerate(zip(self.ranks, kv.ranks, strict=True)):
-            with self.comm.scope(rank):
-                dec.ops.zero_pages(part, dec.ops.asarray(page_ids), page_size)
-
-    def copy_rows(self, kv: ShardedKV, source_rows: slice, target_rows: slice) -> None:
-        """Slots `source_rows` into `target_rows` on every rank, every layer."""
-        for rank, part in enumerate(kv.ranks):
-            with self.comm.scope(rank):
-                part[:, :, target_rows] = part[:, :, source_rows]
-
-    def synchronize(self) -> None:
-        for rank, dec in enumerate(self.ranks):
-            with self.comm.scope(rank):
-                dec.ops.synchronize()
-
-    # ---- forward
     def forward(self, batch: ForwardBatch, kv: ShardedKV, kv_scales: Array, *,
                 all_hidden: bool = False) -> tuple[Array, Array]:
         """DecoderProtocol.forward over the ranks; kv is the arena's ShardedKV."""
-        batches = [self._on_rank(rank, batch) for rank in range(self.size)]
-        scales = self._scales_on_ranks(kv_scales)
-        ranks = self.ranks
-        hs = self._each(lambda r: ranks[r].ops.embed(ranks[r].weights.embed, batches[r].token_ids))
+        group, ranks = self.group, self.ranks
+        batches, scales = group.batches(batch), group.scales(kv_scales)
+        hs = group.each(lambda r: ranks[r].ops.embed(ranks[r].weights.embed, batches[r].token_ids))
         captured: dict[int, Array] = {}
         for index in range(self.config.num_layers):
-            self._layer(index, hs, batches, kv, scales)
+            group.add_reduced(hs, group.each(lambda r: ranks[r].attention_term(
+                index, hs[r], batches[r], kv.ranks[r], scales[r])))  # noqa: B023 - run at once
+            group.add_reduced(hs, group.each(lambda r: ranks[r].mlp_term(index, hs[r])))  # noqa: B023
             captured_rows(self.ops, batch, index, hs[0], captured)
-        with self.comm.scope(0):
+        with group.comm.scope(0):
             return ranks[0].head(hs[0], batch, captured, all_hidden=all_hidden)
 
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
@@ -135,46 +191,5 @@ class TPDecoder:
         calibration): a scratch split arena, gathered back by heads."""
         scratch = self.alloc_kv(int(kv.shape[2]), "f32")
         out = self.forward(batch, scratch, kv_scales)
-        for rank, part in enumerate(scratch.ranks):
-            heads = scratch.heads_of(rank)
-            kv[:, :, :, heads.start:heads.stop] = self.comm.to_rank(0, part)
+        self.group.gather_kv(scratch, kv)
         return out
-
-    def _layer(self, index: int, hs: list[Array], batches: list[ForwardBatch], kv: ShardedKV,
-               scales: list[Array]) -> None:
-        """Layer `index` on every rank; hs[r] (rank r's residual rows) updated in place."""
-        ranks = self.ranks
-        self._add_reduced(hs, self._each(lambda r: ranks[r].attention_term(
-            index, hs[r], batches[r], kv.ranks[r], scales[r])))
-        self._add_reduced(hs, self._each(lambda r: ranks[r].mlp_term(index, hs[r])))
-
-    def _each(self, work: Callable[[int], Array]) -> list[Array]:
-        """work(rank) for every rank in order, each inside its rank's scope (its device)."""
-        out = []
-        for rank in range(self.size):
-            with self.comm.scope(rank):
-                out.append(work(rank))
-        return out
-
-    def _add_reduced(self, hs: list[Array], parts: list[Array]) -> None:
-        """h_r += the sum of every rank's partial (the row-parallel matmuls' all-reduce)."""
-        self.comm.all_reduce(parts)
-        for rank, (h, part) in enumerate(zip(hs, parts, strict=True)):
-            with self.comm.scope(rank):
-                h += part
-
-    def _on_rank(self, rank: int, batch: ForwardBatch) -> ForwardBatch:
-        """The batch's index arrays on rank `rank`'s device, copied from rank 0's device (not
-        from the host copy: decode steps write token ids on the device). The batch itself
-        where the ranks share one memory (the CPU)."""
-        if rank == 0 or self.ranks[rank].ops is self.ops:
-            return batch
-        copies = {name: self.comm.to_rank(rank, getattr(batch, name)) for name in FIELDS}
-        return replace(batch, **copies, packed=None, capture_layers=(), hidden_in=None,
-                       seq_lanes=None)
-
-    def _scales_on_ranks(self, kv_scales: Array) -> list[Array]:
-        """The arena's KV scales on every rank, copied once (they never change after start)."""
-        if self._scales is None or self._scales[0] is not kv_scales:
-            self._scales = (kv_scales, [self.comm.to_rank(r, kv_scales) for r in range(self.size)])
-        return self._scales[1]
