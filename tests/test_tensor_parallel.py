@@ -216,3 +216,86 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+# ---------------------------------------------------------------- Qwen3.5 hybrids
+def write_hybrid(tmp_path: Path, moe: bool, *, mlx: bool = False) -> Checkpoint:
+    from tests import tiny_qwen35 as tq
+
+    # FFN columns that split into whole groups of 32 at TP=2 (MLX)
+    sizes = (dict(moe_intermediate_size=64, shared_expert_intermediate_size=64) if moe
+             else dict(intermediate_size=128))
+    cfg = tq.tiny_qwen35_config(moe=moe, **sizes)
+    weights = tq.random_qwen35_weights(cfg, seed=7)
+    folder = tmp_path / f"hybrid-{moe}-{mlx}"
+    if mlx:
+        return load_checkpoint(tq.write_qwen35_mlx(folder, cfg, weights, 4, 32))
+    return load_checkpoint(tq.write_qwen35_hf(folder, cfg, weights, "f32"))
+
+
+def test_hybrid_gdn_split_keeps_each_value_head_with_its_key_head(tmp_path):
+    from tf_async.models.tp_hybrid import shard_hybrid_checkpoint
+
+    ckpt = write_hybrid(tmp_path, moe=False)
+    hyb, full = ckpt.weights.hybrid, ckpt.weights.layers[0].mixer
+    hk, dk, dv = hyb.linear_num_key_heads, hyb.linear_key_head_dim, hyb.linear_value_head_dim
+    for rank in range(2):
+        mixer = shard_hybrid_checkpoint(ckpt, rank, 2).weights.layers[0].mixer
+        key = np.arange(rank * dk, (rank + 1) * dk)  # key head r (value heads 2r, 2r+1 read it)
+        value = np.arange(2 * rank * dv, 2 * (rank + 1) * dv)
+        rows = np.concatenate([key, hk * dk + key, 2 * hk * dk + value])
+        np.testing.assert_array_equal(mixer.conv, full.conv[rows])
+        np.testing.assert_array_equal(mixer.in_qkv.w, full.in_qkv.w[rows])
+        np.testing.assert_array_equal(mixer.out.w, full.out.w[:, value])
+        np.testing.assert_array_equal(mixer.a_log, full.a_log[2 * rank: 2 * rank + 2])
+
+
+@pytest.mark.parametrize(("moe", "mlx"), [(False, False), (True, False), (True, True)])
+def test_hybrid_tp2_logits_kv_and_states_match_tp1(tmp_path, moe, mlx):
+    from tf_async.models.qwen35 import HybridDecoder
+    from tf_async.models.tp_hybrid import TPHybridDecoder
+
+    ckpt = write_hybrid(tmp_path, moe, mlx=mlx)
+    cfg = ckpt.config
+    plain = HybridDecoder(ckpt, CpuOps())
+    plain.attach_states(plain.new_states(1))
+    rank_ops, comm = make_group("cpu", 2)
+    split = TPHybridDecoder(ckpt, rank_ops, comm, num_lanes=1)
+    tokens = [int(t) for t in RNG.integers(3, 300, 13)]
+    kv = plain.ops.alloc_kv(cfg.num_layers, 4 * PAGE, cfg.num_kv_heads, cfg.head_dim, "f32")
+    sharded = split.alloc_kv(4 * PAGE, "f32")
+    logits = forward_rows_hybrid(plain, tokens, kv)
+    np.testing.assert_allclose(forward_rows_hybrid(split, tokens, sharded), logits,
+                               rtol=1e-4, atol=1e-4)
+    for rank, part in enumerate(sharded.ranks):
+        heads = sharded.heads_of(rank)
+        np.testing.assert_allclose(part, kv[:, :, :, heads.start:heads.stop], rtol=1e-4, atol=1e-4)
+        state = split.states.ranks[rank]
+        hv = ckpt.weights.hybrid.linear_num_value_heads // 2
+        assert state.delta.shape[2] == hv  # its value heads' delta-rule state only
+        np.testing.assert_allclose(state.delta, plain.states.delta[:, :, rank * hv:(rank + 1) * hv],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def forward_rows_hybrid(decoder, tokens: list[int], kv) -> np.ndarray:
+    """forward_rows with lane 0's recurrent state (zeroed first)."""
+    decoder.states.zero(0)
+    rows = len(tokens)
+    table = np.array([list(range(int(kv.shape[2]) // PAGE))], np.int32)
+    pos = np.arange(rows, dtype=np.int64)
+    batch = ForwardBatch(np.asarray(tokens, np.int64), pos, pos.copy(), np.zeros(rows, np.int32),
+                         table, pos.copy(), PAGE, seq_lanes=np.zeros(1, np.int32))
+    logits, _ = decoder.forward(batch, kv, np.ones((decoder.config.num_layers, 2), np.float32))
+    return logits
+
+
+def test_hybrid_sizes_that_do_not_divide_are_refused(tmp_path):
+    from tf_async.models.tp_hybrid import check_hybrid_tensor_parallel
+
+    ckpt = write_hybrid(tmp_path, moe=False)
+    check_hybrid_tensor_parallel(ckpt, 2)
+    with pytest.raises(BadInputError, match="KV heads"):
+        check_hybrid_tensor_parallel(ckpt, 4)
+    with pytest.raises(BadInputError, match="KV heads") as info:
+        _start(ckpt, tensor_parallel=4)
+    assert info.value.param == "tensor_parallel"

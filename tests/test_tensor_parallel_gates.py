@@ -45,3 +45,23 @@ async def test_tp2_greedy_tokens_equal_tp1_on_the_gate_prompts(tiny_llama):
             outs[size] = await generate(eng, list(PROMPTS), "greedy", 16, concurrent=True)
     assert all(len(tokens) == 16 for tokens in outs[1])
     assert outs[2] == outs[1]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+async def test_every_gate_holds_at_tp2_on_a_hybrid(tmp_path, moe):
+    """Qwen3.5 hybrids (GDN heads and their recurrent state split by value heads) at TP=2."""
+    from tests import tiny_qwen35 as tq
+    from tf_async.models.loader import load_checkpoint
+
+    cfg = tq.tiny_qwen35_config(moe=moe)
+    ckpt = load_checkpoint(tq.write_qwen35_hf(tmp_path, cfg, tq.random_qwen35_weights(cfg, seed=5),
+                                              "bf16"))
+    rows, idle = await run_gates(ckpt, device="cpu", max_tokens=10, ctx=128, drafter="ngram",
+                                 tensor_parallel=2, page_size=4)
+    failed = [r for r in rows if not r.ok]
+    assert not failed, failed
+    async with Engine(ckpt, device="cpu", parallel=4, ctx=128, page_size=4, step_tokens=16) as eng:
+        tp1 = await generate(eng, list(PROMPTS), "greedy", 16, concurrent=True)
+    async with Engine(ckpt, device="cpu", parallel=4, ctx=128, page_size=4, step_tokens=16,
+                      tensor_parallel=2) as eng:
+        assert await generate(eng, list(PROMPTS), "greedy", 16, concurrent=True) == tp1

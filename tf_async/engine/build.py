@@ -12,14 +12,14 @@ import numpy as np
 from ..backend.base import Array, Ops, graph_ops
 from ..backend.comm import make_group
 from ..backend.select import make_ops, resolve_device
-from ..errors import BadInputError
 from ..models.checkpoint import Checkpoint
-from ..models.config import SUPPORTED_ARCHS
 from ..models.decoder import Decoder
 from ..models.graph_decoder import GraphDecoder
 from ..models.loader import make_decoder
 from ..models.protocol import DecoderProtocol
+from ..models.qwen35 import HYBRID_ARCHS
 from ..models.tp_decoder import TPDecoder
+from ..models.tp_hybrid import TPHybridDecoder, check_hybrid_tensor_parallel
 from ..models.tp_shard import check_tensor_parallel
 from .calibrate import kv_scales_for
 from .core import EngineCore
@@ -101,18 +101,22 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
 
 
-def _tensor_parallel(ckpt: Checkpoint, options: EngineOptions) -> TPDecoder | None:
+def _tensor_parallel(ckpt: Checkpoint, options: EngineOptions,
+                     ) -> TPDecoder | TPHybridDecoder | None:
     """The decoder split over options.tensor_parallel ranks (None at 1): fake ranks on the
-    CPU, one GPU a rank on CUDA. Refuses models it cannot split (hybrids, a size that does
-    not divide the heads or the intermediate size) and more ranks than GPUs."""
+    CPU, one GPU a rank on CUDA. Refuses a size that does not divide the model's heads or
+    intermediate columns (checked before any GPU is touched) and more ranks than GPUs."""
     size = options.tensor_parallel
     if size == 1:
         return None
-    if ckpt.config.arch not in SUPPORTED_ARCHS:
-        raise BadInputError(f"tensor_parallel {size}: {ckpt.config.arch} models are not split yet "
-                            f"(dense {', '.join(SUPPORTED_ARCHS)} only)", param="tensor_parallel")
-    check_tensor_parallel(ckpt, size)  # before any GPU is touched
+    hybrid = ckpt.config.arch in HYBRID_ARCHS
+    if hybrid:
+        check_hybrid_tensor_parallel(ckpt, size)
+    else:
+        check_tensor_parallel(ckpt, size)
     rank_ops, comm = make_group(resolve_device(options.device), size)
+    if hybrid:
+        return TPHybridDecoder(ckpt, rank_ops, comm, options.parallel)
     return TPDecoder(ckpt, rank_ops, comm)
 
 

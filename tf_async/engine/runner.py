@@ -20,7 +20,7 @@ import numpy as np
 from ..backend.base import Array, DeviceSampler, Ops, device_sampler
 from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
 from ..models.protocol import DecoderProtocol
-from ..models.qwen35 import RecurrentStates
+from ..models.qwen35 import LaneStates
 from ..models.tp_decoder import RankGroup
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
@@ -67,7 +67,7 @@ class Runner:
         self.decoder = decoder
         self.ops = decoder.ops
         self.arena = arena
-        self.states: RecurrentStates | None = decoder.states
+        self.states: LaneStates | None = decoder.states
         self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
         # with all_hidden: these target layers' outputs instead of the final-normed rows (DFlash)
         self.capture_layers: tuple[int, ...] = ()
