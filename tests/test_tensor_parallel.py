@@ -138,9 +138,12 @@ def test_quantized_groups_cut_by_the_split_are_refused(tmp_path):
 def test_more_ranks_than_gpus_and_model_drafters_are_refused(tmp_path):
     with pytest.raises(BadInputError, match="needs 64 GPUs"):
         make_group("cuda", 64)
-    with pytest.raises(BadInputError, match="ngram drafter only") as info:
+    with pytest.raises(BadInputError, match="ngram and draft:PATH drafters") as info:
         Engine(None, device="cpu", tensor_parallel=2, drafter="mtp")
     assert info.value.param == "drafter"
+    with pytest.raises(BadInputError, match="a drafter area a lane") as info:
+        Engine(None, device="cpu", tensor_parallel=2, drafter="draft:x", parallel=4, draft_areas=2)
+    assert info.value.param == "draft_areas"
     with pytest.raises(BadInputError, match=r"tensor_parallel must be in \[1, 64\]"):
         Engine(None, device="cpu", tensor_parallel=0)
 

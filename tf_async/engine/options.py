@@ -63,9 +63,13 @@ class EngineOptions:
         _need(_is_int(self.ngram_min) and 1 <= self.ngram_min <= 3, "ngram_min must be in [1, 3]", "ngram_min")
         _need(_is_int(self.tensor_parallel) and 1 <= self.tensor_parallel <= 64,
               "tensor_parallel must be in [1, 64]", "tensor_parallel")
-        _need(self.tensor_parallel == 1 or self.drafter in (None, "ngram"),
-              "tensor_parallel > 1 supports the ngram drafter only (the model drafters' rings "
-              "are not split by heads yet)", "drafter")
+        _need(self.tensor_parallel == 1 or self.drafter in (None, "ngram")
+              or self.drafter.startswith("draft:"),
+              "tensor_parallel > 1 supports the ngram and draft:PATH drafters (the mtp and "
+              "dflash drafters' memory is not split by heads yet)", "drafter")
+        _need(self.tensor_parallel == 1 or self.draft_areas is None or self.draft_areas >= self.parallel,
+              "tensor_parallel > 1 needs a drafter area a lane (draft_areas >= parallel): "
+              "owned fallback rings are not split by heads", "draft_areas")
 
     @property
     def ring_capacity(self) -> int:

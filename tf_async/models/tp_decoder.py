@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +32,17 @@ from .tp_shard import check_tensor_parallel, shard_checkpoint
 
 @dataclass(frozen=True, slots=True)
 class ShardedKV:
-    """The arena's KV split by heads: ranks[r] [layers, 2, slots, nkv/N, hd] holds KV heads
-    [r*nkv/N, (r+1)*nkv/N) of every slot, on rank r's device."""
+    """The arena's KV (or a drafter's ring) split by heads: ranks[r] [layers, 2, slots, nkv/N,
+    hd] holds KV heads [r*nkv/N, (r+1)*nkv/N) of every slot, on rank r's device."""
 
     ranks: tuple[Array, ...]
+    comm: Communicator  # whose scopes the parts live in
+
+    def fill(self, value: float) -> None:
+        """Every rank's part set to `value` (a drafter ring zeroed when its context opens)."""
+        for rank, part in enumerate(self.ranks):
+            with self.comm.scope(rank):
+                part.fill(value)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,6 +58,19 @@ class ShardedKV:
         """The (global) KV heads rank `rank` holds."""
         per_rank = int(self.ranks[0].shape[3])
         return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedRegion:
+    """The arena's drafter region a rank (uint8, the same size on every rank): an area at byte
+    offset o is ranks[r][o: o + size] on every rank, so area offsets stay one set of integers."""
+
+    ranks: tuple[Array, ...]
+    comm: Communicator
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(region.nbytes) for region in self.ranks)
 
 
 class RankGroup:
@@ -78,7 +99,12 @@ class RankGroup:
         """Each rank's share of an arena of `num_slots` rows (its KV heads only)."""
         cfg = self.rank_config
         return ShardedKV(tuple(self.each(lambda r: self.rank_ops[r].alloc_kv(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, kv_dtype))))
+            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, kv_dtype))), self.comm)
+
+    def alloc_region(self, num_bytes: int, alloc: Callable[[Any, int], Array]) -> ShardedRegion:
+        """A drafter region of `num_bytes` on every rank, each made by alloc(xp, num_bytes)."""
+        return ShardedRegion(tuple(self.each(lambda r: alloc(self.rank_ops[r].xp, num_bytes))),
+                             self.comm)
 
     def zero_pages(self, kv: ShardedKV, page_ids: np.ndarray, page_size: int) -> None:
         """Zero pages `page_ids` (host int32) on every rank."""
