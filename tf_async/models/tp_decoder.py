@@ -16,6 +16,7 @@ of every page; page ids, slots and the block table are one set of integers for a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,12 +132,19 @@ class RankGroup:
 
     # ---- the forward's plumbing
     def each(self, work: Callable[[int], Array]) -> list[Array]:
-        """work(rank) for every rank in order, each inside its rank's scope (its device)."""
+        """work(rank) for every rank in order, each inside its rank's scope (its device).
+        Ranks > 0 skip the ops' device bound checks (a host sync each on CUDA): their index
+        arrays are copies of rank 0's, which rank 0 checked (or ran unchecked after the
+        runner's host check) before any other rank runs."""
         out = []
         for rank in range(self.size):
-            with self.comm.scope(rank):
+            with self.comm.scope(rank), self._checks(rank):
                 out.append(work(rank))
         return out
+
+    def _checks(self, rank: int) -> AbstractContextManager[Any]:
+        ops = self.rank_ops[rank]
+        return nullcontext() if rank == 0 or ops is self.ops else ops.unchecked()
 
     def add_reduced(self, hs: list[Array], parts: list[Array]) -> None:
         """h_r += the sum of every rank's partial (the row-parallel matmuls' all-reduce)."""
