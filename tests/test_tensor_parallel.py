@@ -302,3 +302,18 @@ def test_hybrid_sizes_that_do_not_divide_are_refused(tmp_path):
     with pytest.raises(BadInputError, match="KV heads") as info:
         _start(ckpt, tensor_parallel=4)
     assert info.value.param == "tensor_parallel"
+
+
+def test_a_tp2_run_checked_against_a_tp1_baseline_within_1e4(tiny_llama):
+    """`tf-async gate --against FILE --tensor-parallel 2`: the recorded TP=1 requests at TP=2,
+    tokens equal and log-probs within 1e-4 in every section (flags off, paging, contiguous,
+    resumed)."""
+    import asyncio
+
+    from tf_async import baseline
+
+    settings = baseline.BaselineSettings(device="cpu", max_tokens=6, num_prompts=2)
+    doc = asyncio.run(baseline.record(tiny_llama, settings, reason="test"))
+    results = asyncio.run(baseline.check(tiny_llama, doc, tolerance=1e-4, tensor_parallel=2))
+    assert len(results) == len(baseline.SECTIONS)
+    assert all(r.ok for r in results), [r.mismatches for r in results]
