@@ -202,6 +202,9 @@ class TPDecoder:
     def argmax_of(self, logits: Array) -> None:
         return None
 
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """No recurrent state: nothing to commit (DecoderProtocol)."""
+
     def alloc_kv(self, num_slots: int, kv_dtype: str) -> ShardedKV:
         return self.group.alloc_kv(num_slots, kv_dtype)
 

@@ -145,8 +145,8 @@ class ShardedStates:
         return sum(s.bytes_per_lane for s in self.ranks)
 
     @property
-    def snapshot_bytes_per_lane(self) -> int:
-        return sum(s.snapshot_bytes_per_lane for s in self.ranks)
+    def stash_bytes_per_lane(self) -> int:
+        return sum(s.stash_bytes_per_lane for s in self.ranks)
 
     @property
     def num_bytes(self) -> int:
@@ -159,11 +159,11 @@ class ShardedStates:
     def zero(self, lane: int) -> None:
         self.group.each(lambda r: self.ranks[r].zero(lane))
 
-    def snapshot(self, lanes: list[int] | tuple[int, ...]) -> None:
-        self.group.each(lambda r: self.ranks[r].snapshot(lanes))
+    def freeze(self, lanes: tuple[int, ...]) -> None:
+        self.group.each(lambda r: self.ranks[r].freeze(lanes))
 
-    def restore(self, lanes: list[int] | tuple[int, ...]) -> None:
-        self.group.each(lambda r: self.ranks[r].restore(lanes))
+    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None:
+        self.group.each(lambda r: self.ranks[r].plan_stash(runs))
 
     def add_prefix_slots(self, num_slots: int) -> None:
         self.group.each(lambda r: self.ranks[r].add_prefix_slots(num_slots))
@@ -188,9 +188,14 @@ class TPHybridDecoder:
             lambda r: HybridDecoder(shards[r], rank_ops[r]))
         self.states: ShardedStates = self.new_states(num_lanes)
 
-    def new_states(self, num_lanes: int, with_snapshots: bool = True) -> ShardedStates:
+    def new_states(self, num_lanes: int) -> ShardedStates:
         return ShardedStates(self.group, self.group.each(
-            lambda r: self.ranks[r].new_states(num_lanes, with_snapshots)))
+            lambda r: self.ranks[r].new_states(num_lanes)))
+
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """Every rank advances its GDN heads' state over the accepted rows it stashed (the
+        delta rule is per head: no communication)."""
+        self.group.each(lambda r: self.ranks[r].commit_states(commits, self.states.ranks[r]))
 
     @property
     def ops(self) -> Ops:
@@ -232,6 +237,6 @@ class TPHybridDecoder:
         lanes = self.ops.asarray(np.arange(num_seqs, dtype=np.int32))
         scratch = self.alloc_kv(int(kv.shape[2]), "f32")
         out = self.forward(replace(batch, seq_lanes=lanes), scratch, kv_scales,
-                           states=self.new_states(num_seqs, with_snapshots=False))
+                           states=self.new_states(num_seqs))
         self.group.gather_kv(scratch, kv)
         return out
