@@ -70,14 +70,11 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
     ckpt = load_model(options.model)
     num_lanes = options.parallel
     tp = _tensor_parallel(ckpt, options)
-    decoder: DecoderProtocol
-    if tp is None:
-        decoder = make_decoder(ckpt, make_ops(options.device), num_lanes=num_lanes)
-    else:
-        decoder = tp
+    decoder: DecoderProtocol = (tp if tp is not None else  # hybrids: one state slot a lane
+                                make_decoder(ckpt, make_ops(options.device), num_lanes=num_lanes))
     split = None if tp is None else tp.group
     ops = decoder.ops  # tensor parallel: rank 0's (batches, logits and sampling live there)
-    recurrent = decoder.states is not None  # hybrids: one state slot a lane
+    recurrent = decoder.states is not None
     runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options))
     kv_scales = kv_scales_for(decoder, ckpt, options.kv_dtype)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options.page_size,
