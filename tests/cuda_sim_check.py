@@ -315,9 +315,10 @@ def check_grouped_matmul(rng: np.random.Generator) -> None:
 
 def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
     """MoE rows sorted by expert on the tensor cores (launch.sorted_expert_matmul, the blocks
-    of qmma.expert_tiles) give every row the bits of the grouped few-rows launch: runs longer
+    of expert_tiles) give every row the bits of the grouped few-rows launch: runs longer
     than a block, a partial feature block, an expert with no rows, chunks some warps lack."""
-    from cuda_kernels import launch, qmma
+    from cuda_kernels import launch
+    from cuda_kernels.expert_tiles import expert_tiles
 
     for kind, bits, in_f, gs, out_f, ids in (
         ("q4", 4, 352, 32, 19, [0] * 20 + [3] * 5 + [1] * 12),
@@ -330,7 +331,7 @@ def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
         want = np.full((x.shape[0], out_f), np.nan, np.float32)
         launch.matmul(kind, x, codes, scales, biases, gs, expert_ids, want, grouped=True)
         xq, xs = launch._quantize(kind, x, None, None, None)
-        order, tiles = qmma.expert_tiles(np, expert_ids, experts, 16)
+        order, tiles = expert_tiles(np, expert_ids, experts, 16)
         assert tiles.shape == (x.shape[0] // 16 + experts, 3)
         runs = tiles[tiles[:, 1] < tiles[:, 2]]
         assert (runs[:, 2] - runs[:, 1]).max() <= 16 and (expert_ids[order][runs[:, 1]] == runs[:, 0]).all()
