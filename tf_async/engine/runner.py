@@ -72,6 +72,8 @@ class Runner:
         # Ops that choose tokens where the logits are (CUDA): rows with `choices` send only
         # token ids to the host. None (CPU): every logit row goes to the host sampler.
         self.sampler: DeviceSampler | None = device_sampler(self.ops)
+        # a drafter that keeps rows beside the pages copies them with the KV (DFlash)
+        self.on_page_copies: Callable[[tuple[tuple[int, int, int], ...]], None] | None = None
 
     def zero_pages(self, page_ids: list[int] | tuple[int, ...]) -> None:
         if page_ids:
@@ -85,6 +87,8 @@ class Runner:
         for source, page, num_rows in copies:
             kv[:, :, page * size: page * size + num_rows] = \
                 kv[:, :, source * size: source * size + num_rows]
+        if copies and self.on_page_copies is not None:
+            self.on_page_copies(copies)
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
         """Kept states are copied out first; rolled-back lanes get their saved state; newly

@@ -56,11 +56,22 @@ class DFlashModel:
             return start
         return min(start, max(w for w in windows if w is not None) - 1)
 
-    def write_context(self, ring: Array, features: Array, positions: Array) -> None:
+    def write_context(self, ring: Array, features: Array, positions: Array) -> Array:
         """features [n, len(target_layer_ids) * H] float32 (the target's layer outputs side
-        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring."""
+        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring.
+        Returns the context rows [n, H] (what a prefix cache keeps beside the pages)."""
+        ctx = self.context_rows(features)
+        self.write_kv(ring, ctx, positions)
+        return ctx
+
+    def context_rows(self, features: Array) -> Array:
+        """ctx = hidden_norm(fc(features)) [n, H] float32."""
         ops, c = self.ops, self.cfg
-        ctx = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, c.rms_norm_eps)
+        return ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, c.rms_norm_eps)
+
+    def write_kv(self, ring: Array, ctx: Array, positions: Array) -> None:
+        """Context rows ctx [n, H] at positions [n] int64 -> every layer's K/V ring rows (the
+        ops are row-independent: rows rebuilt later get the bits a fresh ring holds)."""
         rows = positions % ring.shape[2]
         for i, layer in enumerate(self.layers):
             k, v = self._kv(layer, ctx, positions)
