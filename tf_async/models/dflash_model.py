@@ -112,18 +112,34 @@ class DFlashModel:
             out = xp.tanh(out / cap) * cap
         return out
 
-    def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
-        """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
+    def block_logits(self, ring: Array, start: int, anchor_id: int) -> tuple[Array, Array | None]:
+        """The draft rows of the block after `anchor_id` at `start`: logits [B-1, V] and, for
+        DFlash2, the selector's projected hidden [B-1, r] (else None), on the device."""
         c = self.cfg
         ids = np.full(c.block_size, c.mask_token_id, np.int64)
         ids[0] = anchor_id
         hidden = self.block_hidden(ring, start, ids)[1:]
-        logits = self.logits(hidden)
-        if self.selector is None:
+        if self.hidden_projection is None:
+            return self.logits(hidden), None
+        return self.logits(hidden), self.ops.linear(hidden, self.hidden_projection)
+
+    def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
+        """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
+        logits, projected = self.block_logits(ring, start, anchor_id)
+        if projected is None:
             return np.argmax(self.ops.to_host(logits), axis=-1).astype(np.int64)
-        assert self.hidden_projection is not None
-        projected = self.ops.to_host(self.ops.linear(hidden, self.hidden_projection))
-        return self._select(self.ops.to_host(logits), projected, anchor_id)
+        return self._select(self.ops.to_host(logits), self.ops.to_host(projected), anchor_id)
+
+    def candidate_scores(self, logits: np.ndarray, projected: np.ndarray, previous: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash2's selector on one draft row (logits [V], projected [r], host): the top_k
+        candidates [k] int64 (larger logit first, ties: lower id) and their scores [k] f32,
+        score = logit + <pred[previous] * projected, succ[candidate]>."""
+        assert self.selector is not None
+        sel = self.selector
+        candidates = np.argsort(-logits, kind="stable")[:self.cfg.selector_top_k]
+        pair = sel.successor_codebook[candidates] @ (sel.predecessor_codebook[previous] * projected)
+        return candidates, (logits[candidates] + pair).astype(np.float32)
 
     # ---- parts ----------------------------------------------------------------------------
     def _kv(self, layer: DFlashLayerWeights, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -185,16 +201,12 @@ class DFlashModel:
         return out.reshape(rows, c.hidden_size)
 
     def _select(self, logits: np.ndarray, projected: np.ndarray, anchor_id: int) -> np.ndarray:
-        """DFlash2's candidate selector, greedy: row t's candidates are its top_k logits
-        (ties: lower id first); score = logit + <pred[prev] * proj[t], succ[cand]>."""
-        assert self.selector is not None
-        sel, top_k = self.selector, self.cfg.selector_top_k
+        """DFlash2's candidate selector, greedy: a chain over each row's best score."""
         path = np.empty(logits.shape[0], np.int64)
         previous = anchor_id
         for t in range(logits.shape[0]):
-            candidates = np.argsort(-logits[t], kind="stable")[:top_k]
-            pair = sel.successor_codebook[candidates] @ (sel.predecessor_codebook[previous] * projected[t])
-            previous = int(candidates[int(np.argmax(logits[t, candidates] + pair))])
+            candidates, scores = self.candidate_scores(logits[t], projected[t], previous)
+            previous = int(candidates[int(np.argmax(scores))])
             path[t] = previous
         return path
 

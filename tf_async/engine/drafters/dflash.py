@@ -9,8 +9,9 @@ p % capacity) in the context's area, borrowed from the lane's run:
     ready when num_valid == num_tokens - 1
 
 `propose` runs one forward over the block [anchor, mask, ...] at position num_valid and
-returns its greedy drafts (DFlash2: through its candidate selector). Verification keeps a
-draft only when the target emits it, so drafted == plain whatever the drafter proposes.
+returns its drafts (DFlash2: through its candidate selector): greedy, or with temperature drawn
+as the target draws each position (seed, position). Verification keeps a draft only when the
+target emits it, so drafted == plain whatever the drafter proposes.
 """
 
 from __future__ import annotations
@@ -62,13 +63,40 @@ class DFlashDrafter(ContextDrafter):
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         assert ctx.views is not None
+        if samples(seq):
+            return self._sampled(ctx, seq, limit)
         proposed = self.model.propose(ctx.views.ring, ctx.num_valid, seq.last_token())
-        drafts: list[int] = []
-        for token in proposed[:limit].tolist():
+        return _until_stop(seq, proposed[:limit].tolist())
+
+    def _sampled(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """With temperature: draft t is drawn as the target draws position num_tokens + t
+        (TargetChooser: the same sampler, seed and position), from the row's logits (DFlash)
+        or from softmax(score / T) over the selector's candidates (DFlash2), so a draft that
+        matches the target's distribution is the token the target samples."""
+        assert ctx.views is not None
+        logits, projected = self.model.block_logits(ctx.views.ring, ctx.num_valid, seq.last_token())
+        host_logits = None if projected is None else self.ops.to_host(logits)
+        host_projected = None if projected is None else self.ops.to_host(projected)
+        outputs, drafts, previous = list(seq.output_ids), [], seq.last_token()
+        for t in range(limit):
+            if host_logits is None or host_projected is None:
+                row = logits[t:t + 1]
+            else:
+                row = self.ops.asarray(self._score_row(host_logits[t], host_projected[t], previous))
+            token = self.choose(seq, row, outputs, seq.num_tokens + t)
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
-            drafts.append(int(token))
+            drafts.append(token)
+            outputs.append(token)
+            previous = token
         return tuple(drafts)
+
+    def _score_row(self, logits: np.ndarray, projected: np.ndarray, previous: int) -> np.ndarray:
+        """[1, V] f32: the selector's scores at its candidates, -inf elsewhere."""
+        candidates, scores = self.model.candidate_scores(logits, projected, previous)
+        row = np.full((1, logits.shape[0]), -np.inf, np.float32)
+        row[0, candidates] = scores
+        return row
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         """Project the rows this step committed (hidden: [rows, len(target_layer_ids) * H],
@@ -113,6 +141,20 @@ class DFlashDrafter(ContextDrafter):
         positions = self.ops.asarray(np.arange(first, start_pos, dtype=np.int64))
         self.model.write_kv(ctx.views.ring, self.pages.rows_of(seq, first, start_pos), positions)
         ctx.num_valid = start_pos
+
+
+def samples(seq: Sequence) -> bool:
+    """Whether the target samples this stream's tokens (as sample_token's greedy test)."""
+    return not (seq.params.temperature == 0.0 or seq.params.top_k == 1)
+
+
+def _until_stop(seq: Sequence, proposed: list[int]) -> tuple[int, ...]:
+    drafts: list[int] = []
+    for token in proposed:
+        if token in seq.stop_ids:
+            break  # the target emits stop tokens itself
+        drafts.append(int(token))
+    return tuple(drafts)
 
 
 # ---- construction -------------------------------------------------------------------------
