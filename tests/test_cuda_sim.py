@@ -22,7 +22,7 @@ GROUPS = (
     ["matmul", "embed", "kv_write", "e4m3_exhaustive", "zero_pages", "norm_rope_silu", "moe",
      "cpu_twins"],
     ["attention", "attention_wide_heads", "grouped_matmul", "sampling"],
-    ["attention_tiled", "fused_layer_ops"],
+    ["attention_tiled", "fused_layer_ops", "dflash"],
 )
 DEADLINE_S = 1500
 

@@ -75,14 +75,16 @@ class DFlashDrafter(ContextDrafter):
         matches the target's distribution is the token the target samples."""
         assert ctx.views is not None
         logits, projected = self.model.block_logits(ctx.views.ring, ctx.num_valid, seq.last_token())
-        host_logits = None if projected is None else self.ops.to_host(logits)
+        vocab = int(logits.shape[1])
+        top = None if projected is None else self.model.top_candidates(logits)
         host_projected = None if projected is None else self.ops.to_host(projected)
         outputs, drafts, previous = list(seq.output_ids), [], seq.last_token()
         for t in range(limit):
-            if host_logits is None or host_projected is None:
+            if top is None or host_projected is None:
                 row = logits[t:t + 1]
             else:
-                row = self.ops.asarray(self._score_row(host_logits[t], host_projected[t], previous))
+                scores = self.model.candidate_scores(top[0][t], top[1][t], host_projected[t], previous)
+                row = self.ops.asarray(_score_row(vocab, top[0][t], scores))
             token = self.choose(seq, row, outputs, seq.num_tokens + t)
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
@@ -90,13 +92,6 @@ class DFlashDrafter(ContextDrafter):
             outputs.append(token)
             previous = token
         return tuple(drafts)
-
-    def _score_row(self, logits: np.ndarray, projected: np.ndarray, previous: int) -> np.ndarray:
-        """[1, V] f32: the selector's scores at its candidates, -inf elsewhere."""
-        candidates, scores = self.model.candidate_scores(logits, projected, previous)
-        row = np.full((1, logits.shape[0]), -np.inf, np.float32)
-        row[0, candidates] = scores
-        return row
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
         """Project the rows this step committed (hidden: [rows, len(target_layer_ids) * H],
@@ -141,6 +136,13 @@ class DFlashDrafter(ContextDrafter):
         positions = self.ops.asarray(np.arange(first, start_pos, dtype=np.int64))
         self.model.write_kv(ctx.views.ring, self.pages.rows_of(seq, first, start_pos), positions)
         ctx.num_valid = start_pos
+
+
+def _score_row(vocab: int, candidates: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """[1, V] f32: the selector's scores at its candidates, -inf elsewhere."""
+    row = np.full((1, vocab), -np.inf, np.float32)
+    row[0, candidates] = scores
+    return row
 
 
 def samples(seq: Sequence) -> bool:
