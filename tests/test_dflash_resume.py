@@ -172,3 +172,23 @@ async def test_kept_rows_cost_is_counted_in_the_arena(targets) -> None:
         assert arena.drafter_page_bytes == 40 * PAGE * 64 * 4
     async with Engine(ckpt, **OPTIONS, drafter=spec, prefix_cache=False) as eng:
         assert eng.parts.arena.drafter_page_bytes == 0
+
+
+async def test_a_hybrid_resuming_mid_prompt_rebuilds_its_ring(targets) -> None:
+    """Two streams with one long prefix admitted together (states every 8 rows, 12-row
+    budget): the second computes its first rows itself, then resumes mid-prompt from the
+    first's pages and states; its ring is rebuilt from its own kept rows and the first's."""
+    ckpt, spec = targets["hybrid2"]
+    prefix = _tokens(30, 70)
+    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    options = {**OPTIONS, "drafter": spec, "prefix_state_pages": 2, "step_tokens": 12}
+
+    async def run(eng: Engine) -> list[Turn]:
+        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+                                      for i, p in enumerate(prompts)))
+        return [_turn(d) for d in done]
+
+    resumed, fresh, seen, fresh_seen, stats = await _both(ckpt, options, run)
+    _assert_same_drafting(resumed, fresh, seen, fresh_seen, stats)
+    assert resumed[1][1] >= 24 and stats["prefix_states_resumed"] > 0
+    assert [t[2:] for t in resumed] == [t[2:] for t in fresh]
