@@ -106,7 +106,7 @@ async def test_state_is_zeroed_at_open_and_after_preemption(hybrids, plain):
     assert got == plain[name, "greedy"]
     lane_bytes = 4 * 3 * (3 * 128 + 4 * 16 * 16)  # gdn layers * ((K-1) * C + Hv * dk * dv)
     assert stats["recurrent_state_bytes_per_lane"] == lane_bytes
-    assert stats["recurrent_snapshot_bytes_per_lane"] == lane_bytes
+    assert stats["recurrent_stash_bytes_per_lane"] == 0  # no drafts: nothing stashed, no copy
 
 
 async def test_mutation_without_zeroing_at_open_turns_red(hybrids, plain, monkeypatch):
@@ -174,7 +174,7 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
                          np.asarray([num - 2], np.int64), 128, np.zeros(1, np.int32))
     kv = ops.alloc_kv(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
     _, hidden = decoder.forward(batch, kv, np.ones((cfg.num_layers, 2), np.float32),
-                                states=decoder.new_states(1, False), all_hidden=True)
+                                states=decoder.new_states(1), all_hidden=True)
     ring = ops.alloc_kv(1, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
     logits, out = head.rows(np.asarray(tokens[1:], np.int64), pos, hidden, ring)
     row, prev, outputs, drafts = logits[-1], out[-1:], list(seq.output_ids), []
@@ -322,7 +322,7 @@ async def test_memory_report_counts_the_recurrent_state(hybrids):
     lane_bytes = 4 * 3 * (3 * 128 + 4 * 16 * 16)
     lines = lane_memory_lines("tiny", ckpt.config, ckpt.config, parallel=8, ctx=1024,
                               kv_dtype="bf16", drafter_layers=1, drafter_name="mtp",
-                              recurrent_bytes=lane_bytes, snapshot_bytes=lane_bytes)
+                              recurrent_bytes=lane_bytes, stash_bytes=1000)
     assert "fixed a lane: 0.3 MiB -> 0 MiB" in lines[2]  # MTP ring: 2 * 1024 rows * 2 * 32 * 2 B
     assert lines[-1] == (f"  recurrent state a lane (in the run, zeroed at open): {mib(lane_bytes)}"
-                         f" + rollback copy {mib(lane_bytes)}; all lanes {mib(16 * lane_bytes)}")
+                         f" + verify stash {mib(1000)}; all lanes {mib(8 * (lane_bytes + 1000))}")

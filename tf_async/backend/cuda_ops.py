@@ -587,11 +587,12 @@ class CudaOps:
     def _empty(self, shape: tuple[int, ...]) -> Any:
         return self.xp.empty(shape, dtype=np.float32)
 
-    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any) -> Any:
+    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any,
+                      frozen: Any) -> Any:
         out = self._empty(x.shape)
         dev = self._dev
         self._gdn.causal_conv1d_batch(dev(x), dev(conv_states), dev(weight), dev(row_lanes),
-                                      dev(out), stream=self._stream())
+                                      dev(frozen), dev(out), stream=self._stream())
         return out
 
     def gdn_qk_l2norm(self, mixed: Any, num_k_heads: int, head_k_dim: int, eps: float,
@@ -609,9 +610,9 @@ class CudaOps:
         return g, beta
 
     def gated_delta_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any,
-                         row_lanes: Any) -> Any:
+                         row_lanes: Any, frozen: Any) -> Any:
         out = self._empty(v.shape)
-        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, out)]
+        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, frozen, out)]
         self._gdn.gated_delta_rule_batch(*parts, stream=self._stream())
         return out
 
