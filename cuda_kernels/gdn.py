@@ -214,7 +214,9 @@ def _delta_column(s, j, q_sh, k_sh, head_k_dim, v_j, alpha, beta):
 
 
 @cuda.jit(device=True, inline=True)
-def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
+def _delta_row(q, k, v, g, beta, s, held, out, r, h, hk, q_sh, k_sh):
+    """Row r of head h. s: the head's state [dk, dv] (column j), or with `held` the thread's
+    copies of its columns [dk, MAX_FROZEN_COLUMNS] (column m for j = tid + m * threads)."""
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
     head_k_dim = q.shape[2]
@@ -225,8 +227,11 @@ def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
     cuda.syncthreads()
     alpha = math.exp(g[r, h])
     beta_rh = beta[r, h]
+    m = 0
     for j in range(tid, v.shape[2], num_threads):
-        out[r, h, j] = _delta_column(s, j, q_sh, k_sh, head_k_dim, v[r, h, j], alpha, beta_rh)
+        out[r, h, j] = _delta_column(s, m if held else j, q_sh, k_sh, head_k_dim, v[r, h, j],
+                                     alpha, beta_rh)
+        m += 1
 
 
 @kernel
@@ -236,7 +241,17 @@ def _delta_stream_kernel(q, k, v, g, beta, state, out):
     q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     for r in range(q.shape[0]):
-        _delta_row(q, k, v, g, beta, state[h], out, r, h, hk, q_sh, k_sh)
+        _delta_row(q, k, v, g, beta, state[h], False, out, r, h, hk, q_sh, k_sh)
+
+
+@cuda.jit(device=True, inline=True)
+def _hold_columns(s, columns):
+    """A frozen lane: copy the thread's value columns of s [dk, dv] (j = tid + m * threads)."""
+    m = 0
+    for j in range(cuda.threadIdx.x, s.shape[1], cuda.blockDim.x):
+        for i in range(s.shape[0]):
+            columns[i, m] = s[i, j]
+        m += 1
 
 
 @kernel
@@ -249,63 +264,17 @@ def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, frozen, out):
     hk = h // (states.shape[1] // q.shape[1])
     q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
-    columns = cuda.local.array((MAX_FROZEN_COLUMNS, MAX_HEAD_K_DIM), float32)
-    if frozen[slot]:
+    columns = cuda.local.array((MAX_HEAD_K_DIM, MAX_FROZEN_COLUMNS), float32)
+    held = frozen[slot] != 0
+    if held:  # a frozen lane (draft verification): its state is read, never written
         _hold_columns(states[slot, h], columns)
     r = first_row
     while r < q.shape[0] and row_seq[r] == slot:
-        if frozen[slot]:
-            _delta_row_held(q, k, v, g, beta, columns, out, r, h, hk, q_sh, k_sh)
+        if held:
+            _delta_row(q, k, v, g, beta, columns, True, out, r, h, hk, q_sh, k_sh)
         else:
-            _delta_row(q, k, v, g, beta, states[slot, h], out, r, h, hk, q_sh, k_sh)
+            _delta_row(q, k, v, g, beta, states[slot, h], False, out, r, h, hk, q_sh, k_sh)
         r += 1
-
-
-@cuda.jit(device=True, inline=True)
-def _hold_columns(s, columns):
-    """A frozen lane: copy the thread's value columns of s [dk, dv] (j = tid + m * threads)."""
-    tid = cuda.threadIdx.x
-    for m in range(MAX_FROZEN_COLUMNS):
-        j = tid + m * cuda.blockDim.x
-        if j < s.shape[1]:
-            for i in range(s.shape[0]):
-                columns[m, i] = s[i, j]
-
-
-@cuda.jit(device=True, inline=True)
-def _delta_column_held(columns, m, q_sh, k_sh, head_k_dim, v_j, alpha, beta):
-    """`_delta_column` on the thread's copy of one column (same operation order)."""
-    acc = float32(0.0)
-    for i in range(head_k_dim):
-        decayed = columns[m, i] * alpha
-        columns[m, i] = decayed
-        acc += decayed * k_sh[i]
-    beta_err = beta * (v_j - acc)
-    o_j = float32(0.0)
-    for i in range(head_k_dim):
-        written = columns[m, i] + k_sh[i] * beta_err
-        columns[m, i] = written
-        o_j += written * q_sh[i]
-    return o_j
-
-
-@cuda.jit(device=True, inline=True)
-def _delta_row_held(q, k, v, g, beta, columns, out, r, h, hk, q_sh, k_sh):
-    tid = cuda.threadIdx.x
-    num_threads = cuda.blockDim.x
-    head_k_dim = q.shape[2]
-    cuda.syncthreads()  # the previous row is done reading q_sh / k_sh
-    for i in range(tid, head_k_dim, num_threads):
-        q_sh[i] = q[r, hk, i]
-        k_sh[i] = k[r, hk, i]
-    cuda.syncthreads()
-    alpha = math.exp(g[r, h])
-    beta_rh = beta[r, h]
-    for m in range(MAX_FROZEN_COLUMNS):
-        j = tid + m * num_threads
-        if j < v.shape[2]:
-            out[r, h, j] = _delta_column_held(columns, m, q_sh, k_sh, head_k_dim, v[r, h, j],
-                                              alpha, beta_rh)
 
 
 def _check_head_dims(q, state_shape) -> int:

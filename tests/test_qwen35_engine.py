@@ -240,8 +240,8 @@ async def test_cancels_mid_draft_leave_others_equal_to_plain(hybrids, plain, spe
 @pytest.mark.parametrize("forced", [False, True])
 async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybrids, plain,
                                                                            forced):
-    """The forward fails after it advanced the states: lanes saved for verification (forced
-    drafts) go back and run alone; the others' state is lost, so they fail clearly."""
+    """The forward fails after it advanced the states: lanes frozen for verification (forced
+    drafts) kept their state and run alone; the others' state is lost, so they fail clearly."""
     name = "dense-mlx4"
     async with engine(hybrids[name], parallel=4, drafter="mtp" if forced else None,
                       draft_tokens=2) as eng:
@@ -277,6 +277,47 @@ async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybri
     (saved, lost), = seen  # one failed round
     assert len(lost) == len(failed) > 0 and len(failed) < len(PROMPTS)
     assert len(saved) > 0 if forced else saved == ()  # saved lanes ran alone, equal to plain
+
+
+async def test_failure_inside_a_round_of_decode_steps_fails_its_streams_clearly(hybrids, plain):
+    """Decode steps (several forwards a round, the state advancing at each): a forward that
+    fails after its step advanced the states loses them, so every stream of that round fails
+    with a clear error; the others and a request after it equal plain, and idle is clean."""
+    name = "dense-mlx4"
+    async with engine(hybrids[name], parallel=4, decode_steps=4) as eng:
+        runner = eng.parts.runner
+        real_forward, real_steps, calls = runner.decoder.forward, runner._forward_steps, itertools.count()
+        stepped: list[int] = []
+        in_steps = [False]
+
+        def forward_steps(*args):
+            in_steps[0] = True
+            try:
+                return real_steps(*args)
+            finally:
+                in_steps[0] = False
+
+        def forward(batch, kv, scales, **kw):
+            out = real_forward(batch, kv, scales, **kw)
+            if in_steps[0] and len(batch.token_ids) > 1 and next(calls) == 5:
+                stepped.append(len(batch.token_ids))
+                raise RuntimeError("injected failure inside a round of decode steps")
+            return out
+
+        runner.decoder.forward, runner._forward_steps = forward, forward_steps
+        outs = await asyncio.gather(*(eng.complete(p, **sampling("greedy", i))
+                                      for i, p in enumerate(PROMPTS)), return_exceptions=True)
+        runner.decoder.forward = real_forward
+        after = await eng.complete(PROMPTS[0], **sampling("greedy", 0))
+        stats = await idle_stats(eng)
+    failed = [str(o) for o in outs if isinstance(o, Exception)]
+    assert stepped and len(failed) == stepped[0], (stepped, failed)
+    assert all("recurrent state was lost" in e for e in failed), failed
+    for i, out in enumerate(outs):
+        if not isinstance(out, Exception):
+            assert out.token_ids == plain[name, "greedy"][i], i
+    assert after.token_ids == plain[name, "greedy"][0]
+    assert stats["rounds"] > 0
 
 
 async def test_fp8_kv_calibrates_and_mtp_drafts_equal_plain(hybrids):

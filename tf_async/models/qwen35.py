@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..backend.base import Array, Ops
-from ..backend.weights import DenseWeight, Linear
+from ..backend.weights import DenseWeight, FusedLinear, Linear
 from .batch_io import ForwardBatch, captured_rows, hidden_rows, packed_of
 from .config import ModelConfig
 from .rope import rope_tables
@@ -111,6 +111,7 @@ class DenseFfnWeights:
     gate: Linear  # SwiGLU [I, H]
     up: Linear  # [I, H]
     down: Linear  # [H, I]
+    gate_up: FusedLinear | None = None  # [gate; up] on the device (HybridDecoder: one launch)
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class MoeFfnWeights:
     shared_up: Linear  # [Is, H]
     shared_down: Linear  # [H, Is]
     shared_expert_gate: Linear  # [1, H]
+    shared_gate_up: FusedLinear | None = None  # [shared_gate; shared_up] (one launch)
 
 
 FfnWeights = DenseFfnWeights | MoeFfnWeights
@@ -379,6 +381,9 @@ class HybridDecoder:
         self.config = self.hybrid.kv_config
         self.ops = ops
         self.weights: HybridWeights = upload_tree(weights, ops, {})
+        mtp = self.weights.mtp
+        for layer in [*self.weights.layers, *([mtp.layer] if mtp is not None else [])]:
+            _fuse_gate_up(layer.ffn, ops)
         inv_freq, self.mscale = rope_tables(self.config, None)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(self.config.head_dim)
@@ -515,17 +520,39 @@ class HybridDecoder:
         ops.sigmoid_gate_mul(o, gate)
         return ops.linear(o, w.o)
 
+    def _swiglu(self, x: Array, gate: Linear, up: Linear, gate_up: FusedLinear | None) -> Array:
+        """silu(x @ gate.T) * (x @ up.T): one launch when the two are fused (the same bits)."""
+        ops = self.ops
+        if gate_up is not None:
+            return ops.swiglu_linear(x, gate_up)
+        return ops.silu_mul(ops.linear(x, gate), ops.linear(x, up))
+
     def ffn(self, w: FfnWeights, x: Array) -> Array:
         """Dense SwiGLU, or routed experts (top-k renormalised) + sigmoid-gated shared expert."""
         ops = self.ops
         if isinstance(w, DenseFfnWeights):
-            return ops.linear(ops.silu_mul(ops.linear(x, w.gate), ops.linear(x, w.up)), w.down)
+            return ops.linear(self._swiglu(x, w.gate, w.up, w.gate_up), w.down)
         routed = ops.moe(x, w.router, w.experts_gate, w.experts_up, w.experts_down,
                          self.config.num_experts_per_tok, True)
-        shared = ops.linear(ops.silu_mul(ops.linear(x, w.shared_gate), ops.linear(x, w.shared_up)),
+        shared = ops.linear(self._swiglu(x, w.shared_gate, w.shared_up, w.shared_gate_up),
                             w.shared_down)
         xp = ops.xp  # the [rows, 1] gate broadcast over H, then the kernel's sigmoid multiply
         gate = xp.ascontiguousarray(xp.broadcast_to(ops.linear(x, w.shared_expert_gate),
                                                     shared.shape))
         ops.sigmoid_gate_mul(shared, gate)
         return routed + shared
+
+
+def _fuse_gate_up(ffn: FfnWeights, ops: Ops) -> None:
+    """Concatenate a SwiGLU's gate and up (the shared expert's, for MoE) on the device; the
+    weights keep views of the concatenation, so nothing is held twice. Kinds that cannot be
+    concatenated stay two launches."""
+    if isinstance(ffn, DenseFfnWeights):
+        fused = ops.concat_linears([ffn.gate, ffn.up])
+        if fused is not None:
+            ffn.gate_up, (ffn.gate, ffn.up) = fused[0], fused[1]
+    else:
+        fused = ops.concat_linears([ffn.shared_gate, ffn.shared_up])
+        if fused is not None:
+            ffn.shared_gate_up, (ffn.shared_gate, ffn.shared_up) = fused[0], fused[1]
+
