@@ -78,6 +78,8 @@ class Runner:
         # Ops that choose tokens where the logits are (CUDA): rows with `choices` send only
         # token ids to the host. None (CPU): every logit row goes to the host sampler.
         self.sampler: DeviceSampler | None = device_sampler(self.ops)
+        # a drafter that keeps rows beside the pages copies them with the KV (DFlash)
+        self.on_page_copies: Callable[[tuple[tuple[int, int, int], ...]], None] | None = None
 
     def zero_pages(self, page_ids: list[int] | tuple[int, ...]) -> None:
         if not page_ids:
@@ -100,6 +102,8 @@ class Runner:
                 split.copy_rows(kv, source_rows, target_rows)
             else:
                 kv[:, :, target_rows] = kv[:, :, source_rows]
+        if copies and self.on_page_copies is not None:
+            self.on_page_copies(copies)
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
         """Lanes that verified drafts last round advance over their accepted rows first; then
