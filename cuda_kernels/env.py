@@ -109,8 +109,46 @@ def _thread_safe_simulator_swap() -> None:
     sim_kernel.swapped_cuda_module = swapped_cuda_module
 
 
+def _thread_safe_simulator_shared() -> None:
+    """The simulator hands each `cuda.shared.array` call site (file, line) one array per launch,
+    created by the first thread that asks: `get`, then `np.empty` and store if missing. Two
+    threads of a block asking at once can each create one, and each then works on its own
+    array: the others never see its writes and read uninitialized memory (seen as wrong or
+    huge values, intermittently, more often with a short GIL switch interval). This version
+    does the lookup and the creation under a lock (and finds the caller from its frame, not by
+    extracting the whole stack)."""
+    import sys
+    import threading
+
+    try:
+        from numba.core import types
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+        from numba.np import numpy_support
+    except ImportError:  # another simulator layout: leave it as it is
+        return
+    lock = threading.Lock()
+    dynamic = FakeCUDAShared.array
+
+    def array(self, shape, dtype):
+        if shape == 0:  # dynamic shared memory: one buffer, nothing to create
+            return dynamic(self, shape, dtype)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    FakeCUDAShared.array = array  # type: ignore[method-assign]
+
+
 if SIMULATOR:
     _thread_safe_simulator_swap()
+    _thread_safe_simulator_shared()
 
 if SIMULATOR:
 
