@@ -45,14 +45,19 @@ def test_spreads_a_burst_evenly() -> None:
     assert chosen.count(0) == chosen.count(1) == 4
 
 
-def test_polled_stats_count_when_larger_than_the_fronts_count() -> None:
-    policy = policy_with(2)
+def test_polled_stats_break_ties_of_the_live_count() -> None:
+    policy = policy_with(3)
     policy.update_stats(0, lanes_busy=3, lanes_free=1, queued=2)  # busy from elsewhere
-    assert policy.replicas[0].load == 5
+    policy.update_stats(1, lanes_busy=1, lanes_free=3, queued=0)
+    policy.update_stats(2, lanes_busy=0, lanes_free=4, queued=0)
+    assert policy.choose() == 2  # most free lanes, nothing queued
+    policy.begin(2)
     assert policy.choose() == 1
-    for _ in range(6):
-        policy.begin(1)
-    assert policy.choose() == 0  # 6 in flight on 1 > 5 on 0
+    policy.begin(1)
+    assert policy.choose() == 0  # the live count comes first: a poll lags
+    policy.begin(0)
+    policy.update_stats(0, lanes_busy=0, lanes_free=4, queued=0)
+    assert policy.choose() == 0
 
 
 def test_down_replica_leaves_routing_and_forgets_its_stats() -> None:

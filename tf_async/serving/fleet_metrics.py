@@ -106,6 +106,13 @@ def _escape_help(doc: str) -> str:
     return doc.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def _router_view(replicas: ReplicaSet, index: int) -> dict[str, int | bool]:
+    """What the routing policy knows of replica `index` (its live count, its last poll)."""
+    state = replicas.policy.replicas[index]
+    return {"up": state.up, "in_flight": state.in_flight, "queued": state.queued,
+            "lanes_free": state.lanes_free}
+
+
 def sum_lanes(answers: dict[int, Any], replicas: ReplicaSet) -> dict[str, Any]:
     """Each replica's /v1/lanes, their lanes in one list (with `replica`), stats summed."""
     lanes: list[dict[str, Any]] = []
@@ -113,7 +120,9 @@ def sum_lanes(answers: dict[int, Any], replicas: ReplicaSet) -> dict[str, Any]:
     per_replica = []
     for replica in replicas.replicas:
         answer = answers.get(replica.index)
-        per_replica.append({"replica": replica.index, "url": replica.url,
+        per_replica.append({"replica": replica.index, "url": replica.url, "pid": replica.pid,
+                            "restarts": replica.num_failures,
+                            "router": _router_view(replicas, replica.index),
                             "up": replica.index in answers, "data": (answer or {}).get("data", []),
                             "stats": (answer or {}).get("stats", {})})
         if answer is None:

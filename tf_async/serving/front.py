@@ -33,6 +33,7 @@ _PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", "Retry-
                    "WWW-Authenticate", "Allow", "Access-Control-Allow-Origin", "Vary",
                    "Access-Control-Allow-Methods", "Access-Control-Allow-Headers",
                    "Access-Control-Max-Age")
+REPLICA_HEADER = "X-TF-Replica"  # which replica answered (logs, tests)
 _SENT_HEADERS = ("Authorization", "Content-Type", "Content-Encoding", "Accept", "Origin",
                  "Access-Control-Request-Method", "Access-Control-Request-Headers")
 
@@ -116,31 +117,36 @@ class Front:
                 self.replicas.num_lost_streams[index] += 1
                 return lost_response(index)
             return web.Response(status=upstream.status, body=payload,
-                                headers=_passed_headers(upstream))
+                                headers=_passed_headers(upstream, index))
         finally:
             self.replicas.untrack(index, upstream)
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse,
                       index: int) -> web.StreamResponse:
         """SSE passed through chunk by chunk; a replica failing mid-stream: error + [DONE]."""
-        response = web.StreamResponse(status=upstream.status, headers=_passed_headers(upstream))
+        response = web.StreamResponse(status=upstream.status,
+                                      headers=_passed_headers(upstream, index))
         await response.prepare(request)
+        tail = b"\n\n"  # the last bytes passed on: is an event cut short?
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientConnectionError) as exc:
+                tail = (tail + chunk)[-2:]
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionResetError) and _client_gone(request):
                 raise ConnectionResetError("the client went away") from exc
-            self.replicas.num_lost_streams[index] += 1
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(lost_sse_event(index))
+            await self._end_lost_stream(response, index, tail)
             return response
         if not _ended_cleanly(upstream):  # closed by the replica's exit (fleet._on_down)
-            self.replicas.num_lost_streams[index] += 1
-            with contextlib.suppress(ConnectionResetError):
-                await response.write(lost_sse_event(index))
+            await self._end_lost_stream(response, index, tail)
         return response
+
+    async def _end_lost_stream(self, response: web.StreamResponse, index: int,
+                               tail: bytes) -> None:
+        self.replicas.num_lost_streams[index] += 1
+        cut = b"" if tail == b"\n\n" else b"\n\n"  # end a half-passed event first
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(cut + lost_sse_event(index))
 
     # ------------------------------------------------------------ the front's own routes
 
@@ -200,8 +206,11 @@ def _sent_headers(request: web.Request) -> dict[str, str]:
     return {name: request.headers[name] for name in _SENT_HEADERS if name in request.headers}
 
 
-def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {name: upstream.headers[name] for name in _PASSED_HEADERS if name in upstream.headers}
+def _passed_headers(upstream: aiohttp.ClientResponse, index: int) -> dict[str, str]:
+    """The replica's headers the client should see, and which replica answered."""
+    headers = {name: upstream.headers[name] for name in _PASSED_HEADERS
+               if name in upstream.headers}
+    return headers | {REPLICA_HEADER: str(index)}
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -1,13 +1,15 @@
 """Routing by load with prefix affinity: a pure policy holding integers only.
 
-Per replica it keeps the requests the front has in flight there and what the replica's
-own stats said at the last poll (busy lanes, queue length). The load of a replica is
+Per replica it keeps the requests the front has in flight there (live) and what the
+replica's own stats said at the last poll (queue length, free lanes; up to 0.5 s old).
+Replicas are ordered by
 
-    load = max(in_flight, lanes_busy + queued)
+    (in_flight, queued, -lanes_free, index)
 
-(the front's live count, or the replica's, whichever is larger: the poll sees streams the
-front has already let go of and traffic from elsewhere; the live count sees requests sent
-since the poll). `choose` picks the least loaded replica that is up (ties: lowest index).
+the live count first (a poll lags: a replica whose streams just ended still looks busy),
+then the polled figures, which break ties (lanes still held by streams being cancelled,
+replicas of different --parallel, traffic sent to a replica directly), then the lowest
+index. `choose` picks the first replica that is up in that order.
 
 Prefix affinity: a conversation's key (affinity.py) remembered from an earlier turn routes
 to the same replica, which holds that prefix in its prefix cache, unless that replica is
@@ -35,7 +37,11 @@ class ReplicaLoad:
 
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.lanes_busy + self.queued)
+        """Requests in flight from the front: what the affinity margin is counted in."""
+        return self.in_flight
+
+    def order(self, index: int) -> tuple[int, int, int, int]:
+        return (self.in_flight, self.queued, -self.lanes_free, index)
 
 
 class RoutingPolicy:
@@ -80,11 +86,9 @@ class RoutingPolicy:
 
     def least_loaded(self) -> int | None:
         """The up replica with the least load (ties: lowest index); None when none is up."""
-        best: int | None = None
-        for replica, state in enumerate(self.replicas):
-            if state.up and (best is None or state.load < self.replicas[best].load):
-                best = replica
-        return best
+        up = [(state.order(replica), replica) for replica, state in enumerate(self.replicas)
+              if state.up]
+        return min(up)[1] if up else None
 
     def choose(self, keys: list[int] | tuple[int, ...] = ()) -> int | None:
         """The replica for a request whose conversation keys are `keys` (longest prefix
