@@ -119,6 +119,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "first is listed first; default: the model's own name")
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of `tf-async serve`'s flags alone (replicas read their flags with it)."""
+    parser = argparse.ArgumentParser(prog="tf-async serve", add_help=False)
+    add_serve_args(parser)
+    return parser
+
+
 def engine_from_args(args: argparse.Namespace) -> Any:
     from ..api import Engine
 

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from ..server.app import start_server
-from ..server.cli import StopSignals, add_serve_args
+from ..server.cli import StopSignals, serve_parser
 from .fleet import ReplicaSet, ReplicaSetError
 from .front import create_front_app
 from .policy import RoutingPolicy
@@ -23,8 +23,7 @@ STOP_GRACE_S = 30.0  # after a child's own --shutdown-timeout, before it is kill
 def child_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The `tf-async serve` flags of a replica: every serve flag as given to the front
     (from the same parser, so no flag list is written twice) but the front's own."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_serve_args(parser)
+    parser = serve_parser()
     flags: list[str] = ["--host", "127.0.0.1", "--port", "0"]
     for action in parser._actions:  # argparse has no public way to list its actions
         if action.dest in _FRONT_ONLY or not action.option_strings:

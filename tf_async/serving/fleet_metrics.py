@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from .fleet import ReplicaSet
+from .policy import RoutingPolicy
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -50,19 +52,36 @@ def _families(texts: dict[int, str]) -> dict[str, _Family]:
     return families
 
 
-def _router_lines(replicas: ReplicaSet) -> list[str]:
-    policy = replicas.policy
+@dataclass(slots=True, frozen=True)
+class RouterCounts:
+    """The router's own figures, per replica and in all (a snapshot for /metrics)."""
+
+    policy: RoutingPolicy
+    num_routed: tuple[int, ...]
+    num_restarts: tuple[int, ...]
+    num_lost: tuple[int, ...]
+    num_no_replica: int
+
+    @staticmethod
+    def of(replicas: ReplicaSet) -> RouterCounts:
+        return RouterCounts(replicas.policy, tuple(replicas.num_routed),
+                            tuple(r.num_failures for r in replicas.replicas),
+                            tuple(replicas.num_lost_streams), replicas.num_no_replica)
+
+
+def _router_lines(counts: RouterCounts) -> list[str]:
+    policy = counts.policy
     per_replica = [
         ("tf_router_requests_total", "counter", "Requests the front routed to each replica.",
-         replicas.num_routed),
+         counts.num_routed),
         ("tf_router_replica_up", "gauge", "1 while the replica is in routing.",
-         [int(r.up) for r in policy.replicas]),
+         tuple(int(r.up) for r in policy.replicas)),
         ("tf_router_in_flight", "gauge", "Requests the front has in flight at each replica.",
-         [r.in_flight for r in policy.replicas]),
+         tuple(r.in_flight for r in policy.replicas)),
         ("tf_router_replica_restarts_total", "counter", "Replica process exits not asked for.",
-         [r.num_failures for r in replicas.replicas]),
+         counts.num_restarts),
         ("tf_router_lost_requests_total", "counter",
-         "Requests ended with an error because their replica failed.", replicas.num_lost_streams),
+         "Requests ended with an error because their replica failed.", counts.num_lost),
     ]
     lines: list[str] = []
     for name, kind, doc, values in per_replica:
@@ -75,16 +94,17 @@ def _router_lines(replicas: ReplicaSet) -> list[str]:
              "Requests whose conversation's replica was down or too busy.",
              policy.num_affinity_overrides),
             ("tf_router_no_replica_total", "Requests refused: no replica ready (503).",
-             replicas.num_no_replica)):
+             counts.num_no_replica)):
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter", _sample(name, (), float(value))]
     return lines
 
 
-def render_metrics(texts: dict[int, str], replicas: ReplicaSet) -> str:
+def render_metrics(texts: dict[int, str], counts: RouterCounts) -> str:
+    """Prometheus text: each replica's families summed and labelled, then the router's."""
     lines: list[str] = []
     for family in _families(texts).values():
         lines += family.lines()
-    return "\n".join(lines + _router_lines(replicas)) + "\n"
+    return "\n".join(lines + _router_lines(counts)) + "\n"
 
 
 def _sample(name: str, labels: Labels, value: float) -> str:

@@ -24,7 +24,7 @@ from ..server.schemas import ErrorDetail, ErrorResponse
 from ..server.sse import DONE_EVENT, sse_event
 from .affinity import RequestKeys, request_keys
 from .fleet import ReplicaSet
-from .fleet_metrics import render_metrics, sum_lanes
+from .fleet_metrics import RouterCounts, render_metrics, sum_lanes
 from .ws_bridge import WsBridge
 
 log = logging.getLogger("tf_async.serving")
@@ -167,7 +167,7 @@ class Front:
     async def metrics(self, request: web.Request) -> web.Response:
         self.check_key(request)
         texts = await self._gather(self.replicas.get_text, "/metrics")
-        return web.Response(text=render_metrics(texts, self.replicas),
+        return web.Response(text=render_metrics(texts, RouterCounts.of(self.replicas)),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
