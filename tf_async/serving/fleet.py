@@ -43,11 +43,16 @@ class ReplicaSet:
         assert self._http is not None, "start() first"
         return self._http
 
-    async def start(self) -> None:
+    def open_http(self) -> None:
+        """The client session to the replicas (start() opens it; tests with fake replicas
+        open it alone)."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         # No pooled keep-alive: a cancelled stream's connection must close, not be reused.
         self._http = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
                                            connector=aiohttp.TCPConnector(force_close=True))
+
+    async def start(self) -> None:
+        self.open_http()
         for replica in self.replicas:
             replica.start()
         self._poller = asyncio.create_task(self._poll_forever())
