@@ -155,3 +155,34 @@ def test_responses_input_is_keyed_like_a_chat() -> None:
 def test_malformed_bodies_have_no_keys() -> None:
     assert chat_keys({"messages": "nope"}).lookup == ()
     assert chat_keys({}).remember == ()
+
+
+def test_children_get_every_serve_flag_but_the_fronts_own() -> None:
+    from tf_async.server.cli import serve_parser
+    from tf_async.serving.cli import child_flags
+
+    args = serve_parser().parse_args(
+        ["--model", "m.gguf", "--parallel", "8", "--no-paging", "--served-model-name", "a", "b",
+         "--replicas", "2", "--api-key", "secret", "--host", "0.0.0.0", "--port", "9000"])
+    flags = child_flags(args)
+    assert flags[:4] == ("--host", "127.0.0.1", "--port", "0")
+    text = " ".join(flags)
+    assert "--model m.gguf" in text and "--parallel 8" in text and "--no-paging" in text
+    assert "--served-model-name a b" in text and "--prefix-cache" in text
+    assert "secret" not in text and "--replicas" not in text and "9000" not in text
+    assert serve_parser().parse_args(list(flags)).parallel == 8  # a child parses them back
+
+
+def test_replica_env_splits_cores_and_gpus() -> None:
+    from tf_async.serving.supervisor import replica_env
+
+    assert dict(replica_env(1, 2, "cpu", 16)) == {"NUMBA_NUM_THREADS": "8"}
+    assert dict(replica_env(1, 4, "cuda", 2)) == {"NUMBA_NUM_THREADS": "1",
+                                                  "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_replicas_below_one_is_refused(capsys) -> None:
+    from tf_async.cli import main
+
+    assert main(["serve", "--replicas", "0", "--port", "0"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def child_flags(args: argparse.Namespace) -> tuple[str, ...]:
     for action in parser._actions:  # argparse has no public way to list its actions
         if action.dest in _FRONT_ONLY or not action.option_strings:
             continue
-        flags += _flag_of(action, getattr(args, action.dest))
+        flags += _flag_of(action, vars(args).get(action.dest))
     return tuple(flags)
 
 
