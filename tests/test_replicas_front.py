@@ -118,3 +118,10 @@ async def test_no_replica_listening_is_a_503_not_a_hang() -> None:
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "no_replica_ready"
         assert not replicas.policy.replicas[0].up  # a failed connect takes it out
+
+
+async def test_cross_site_websocket_upgrade_is_refused() -> None:
+    async with front_over(FakeReplica("ok")) as (url, _), aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(url + "/v1/chat/ws", headers={"Origin": "https://evil.example"})
+        assert refused.value.status == 403

@@ -61,7 +61,8 @@ def run_replicas(args: argparse.Namespace) -> int:
 async def _serve_replicas(args: argparse.Namespace) -> int:
     replicas = ReplicaSet(replica_specs(args), RoutingPolicy(args.replicas, args.affinity_margin),
                           api_key=args.api_key)
-    app = create_front_app(replicas, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = create_front_app(replicas, api_key=args.api_key, cors_origin=args.cors_origin,
+                           max_body_bytes=args.max_body_bytes)
     runner, port = await start_server(app, args.host, args.port)
     signals = StopSignals(asyncio.get_running_loop())
     print(f"tf-async: starting {args.replicas} replicas of {args.model or 'the default model'} "

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -65,10 +66,12 @@ def lost_sse_event(index: int) -> bytes:
 class Front:
     """The routes of the front over one ReplicaSet."""
 
-    def __init__(self, replicas: ReplicaSet, api_key: str | None = None):
+    def __init__(self, replicas: ReplicaSet, api_key: str | None = None,
+                 cors_origin: str | None = None):
         self.replicas = replicas
         self.policy = replicas.policy
         self.api_key = api_key
+        self.cors_origin = cors_origin
 
     # ------------------------------------------------------------ pass-through
 
@@ -152,10 +155,20 @@ class Front:
 
     async def websocket(self, request: web.Request) -> web.WebSocketResponse:
         """/v1/chat/ws: each chat routed on its own; frames both ways (ws_bridge.py)."""
+        self.check_origin(request)
         ws = web.WebSocketResponse(heartbeat=30.0)
         await ws.prepare(request)
-        await WsBridge(self.replicas, ws, _sent_headers(request)).serve()
+        await WsBridge(self.replicas, ws, _sent_headers(request), request.query_string).serve()
         return ws
+
+    def check_origin(self, request: web.Request) -> None:
+        """As a single server does (server/state.py): no cross-site websocket upgrades
+        unless the origin is the allowed one (the replicas see no Origin from the front)."""
+        origin = request.headers.get("Origin")
+        if origin is None or origin == self.cors_origin or self.cors_origin == "*":
+            return
+        if urlsplit(origin).netloc != request.host:
+            raise web.HTTPForbidden(reason=f"origin {origin} is not allowed")
 
     async def health(self, request: web.Request) -> web.Response:
         num_up = self.policy.num_up
@@ -236,9 +249,9 @@ FRONT_KEY = web.AppKey("tf_async_front", Front)
 
 
 def create_front_app(replicas: ReplicaSet, *, api_key: str | None = None,
-                     max_body_bytes: int) -> web.Application:
+                     cors_origin: str | None = None, max_body_bytes: int) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[front_errors])
-    front = app[FRONT_KEY] = Front(replicas, api_key)
+    front = app[FRONT_KEY] = Front(replicas, api_key, cors_origin)
     app.router.add_get("/health", front.health)
     app.router.add_get("/metrics", front.metrics)
     app.router.add_get("/v1/lanes", front.lanes)

@@ -33,8 +33,10 @@ def error_message(chat_id: object, message: str, code: str,
 class WsBridge:
     """One client websocket and its upstream sockets (one per replica it has used)."""
 
-    def __init__(self, replicas: ReplicaSet, ws: web.WebSocketResponse, headers: dict[str, str]):
+    def __init__(self, replicas: ReplicaSet, ws: web.WebSocketResponse, headers: dict[str, str],
+                 query_string: str = ""):
         self.replicas = replicas
+        self.query = "?" + query_string if query_string else ""  # a browser's ?api_key=
         self.policy = replicas.policy
         self.ws = ws
         self.headers = {k: v for k, v in headers.items() if k == "Authorization"}
@@ -97,7 +99,7 @@ class WsBridge:
             self.replicas.connect_failed(index)
             return None
         try:
-            ws = await self.replicas.http.ws_connect(url + "/v1/chat/ws", headers=self.headers,
+            ws = await self.replicas.http.ws_connect(url + "/v1/chat/ws" + self.query, headers=self.headers,
                                                      heartbeat=30.0)
         except (aiohttp.ClientError, ConnectionError):
             self.replicas.connect_failed(index)
