@@ -158,6 +158,13 @@ async def test_outputs_through_the_front_equal_one_engines(front: FrontProcess) 
         assert streamed == answers_text
         async with http.get(front.url + "/v1/models") as resp:
             assert (await resp.json())["data"][0]["id"] == "model"
+        responses = []
+        for url in (front.url, replica_urls[0]):
+            async with http.post(url + "/v1/responses", json={
+                    "input": "Tell me a story", "max_output_tokens": 12, "temperature": 0}) as resp:
+                assert resp.status == 200
+                responses.append((await resp.json())["output"][0]["content"])
+        assert responses[0] == responses[1]
 
 
 def _text(choice: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def ray_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def _chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": 10,
-            "temperature": 0, **extra}
+            "temperature": 0} | extra
 
 
 async def _requests(url: str) -> None:
@@ -73,6 +74,23 @@ async def _requests(url: str) -> None:
             text = await resp.text()
         assert metric_value(text, "tf_lanes_total") == 4
         assert metric_value(text, "tf_lanes_total", 'replica="1"') == 2
+        # A client that leaves mid-stream: the replica cancels it (0 lanes after).
+        resp = await http.post(url + "/v1/chat/completions",
+                               json=_chat("Long", max_tokens=900, ignore_eos=True, stream=True))
+        assert (await resp.content.readline()).startswith(b"data: ")
+        async with http.get(url + "/v1/lanes") as lanes:
+            assert (await lanes.json())["stats"]["lanes_in_use"] == 1
+        resp.close()
+        deadline = time.monotonic() + 60
+        while True:
+            async with http.get(url + "/v1/lanes") as lanes:
+                if (await lanes.json())["stats"]["lanes_in_use"] == 0:
+                    break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+        assert metric_value(text, "tf_requests_total", 'endpoint="chat",outcome="cancelled"') == 1
 
 
 def test_ray_serve_app_routes_over_two_replicas(ray_url: str) -> None:

@@ -126,29 +126,30 @@ def _escape_help(doc: str) -> str:
     return doc.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-def _router_view(replicas: ReplicaSet, index: int) -> dict[str, int | bool]:
+def router_view(policy: RoutingPolicy, index: int) -> dict[str, int | bool]:
     """What the routing policy knows of replica `index` (its live count, its last poll)."""
-    state = replicas.policy.replicas[index]
+    state = policy.replicas[index]
     return {"up": state.up, "in_flight": state.in_flight, "queued": state.queued,
             "lanes_free": state.lanes_free}
 
 
-def sum_lanes(answers: dict[int, Any], replicas: ReplicaSet) -> dict[str, Any]:
-    """Each replica's /v1/lanes, their lanes in one list (with `replica`), stats summed."""
+def merge_lanes(answers: dict[int, Any]) -> dict[str, Any]:
+    """Replicas' /v1/lanes answers as one: lanes in one list (with `replica`), stats summed."""
     lanes: list[dict[str, Any]] = []
     stats: dict[str, int | float] = {}
-    per_replica = []
-    for replica in replicas.replicas:
-        answer = answers.get(replica.index)
-        per_replica.append({"replica": replica.index, "url": replica.url, "pid": replica.pid,
-                            "restarts": replica.num_failures,
-                            "router": _router_view(replicas, replica.index),
-                            "up": replica.index in answers, "data": (answer or {}).get("data", []),
-                            "stats": (answer or {}).get("stats", {})})
-        if answer is None:
-            continue
-        lanes += [{**lane, "replica": replica.index} for lane in answer.get("data", [])]
+    for index, answer in sorted(answers.items()):
+        lanes += [{**lane, "replica": index} for lane in answer.get("data", [])]
         for key, value in answer.get("stats", {}).items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 stats[key] = stats.get(key, 0) + value
-    return {"object": "list", "data": lanes, "stats": stats, "replicas": per_replica}
+    return {"object": "list", "data": lanes, "stats": stats}
+
+
+def sum_lanes(answers: dict[int, Any], replicas: ReplicaSet) -> dict[str, Any]:
+    """merge_lanes, and per replica: its url, pid, restarts, lanes and the router's view."""
+    per_replica = [{"replica": r.index, "url": r.url, "pid": r.pid, "restarts": r.num_failures,
+                    "router": router_view(replicas.policy, r.index), "up": r.index in answers,
+                    "data": answers.get(r.index, {}).get("data", []),
+                    "stats": answers.get(r.index, {}).get("stats", {})}
+                   for r in replicas.replicas]
+    return merge_lanes(answers) | {"replicas": per_replica}

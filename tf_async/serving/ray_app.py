@@ -32,7 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from ..server.app import start_server
 from ..server.schemas import ErrorDetail, ErrorResponse
 from .affinity import request_keys
-from .fleet_metrics import RouterCounts, render_metrics
+from .fleet_metrics import RouterCounts, merge_lanes, render_metrics, router_view
 from .front import lost_sse_event
 from .policy import RoutingPolicy
 
@@ -86,6 +86,10 @@ class EngineReplica:
         await self._started()
         return dict(self._engine.stats())
 
+    async def lanes(self) -> dict[str, Any]:
+        await self._started()
+        return {"data": self._engine.lanes(), "stats": dict(self._engine.stats())}
+
     async def metrics_text(self) -> str:
         url, http = await self._started()
         async with http.get(url + "/metrics") as resp:
@@ -113,6 +117,8 @@ class OpenAIIngress:
             return self._health()
         if path == "/metrics":
             return await self._metrics()
+        if path == "/v1/lanes":
+            return await self._lanes()
         return await self._proxy(request, path)
 
     async def _proxy(self, request: Request, path: str) -> Response:
@@ -179,6 +185,15 @@ class OpenAIIngress:
         return Response(_encoder.encode({"status": "ok", "replicas_ready": self.policy.num_up,
                                          "replicas": len(self.handles)}),
                         media_type="application/json")
+
+    async def _lanes(self) -> Response:
+        results = await asyncio.gather(*(h.lanes.remote() for h in self.handles),
+                                       return_exceptions=True)
+        answers = {i: a for i, a in enumerate(results) if isinstance(a, dict)}
+        merged = merge_lanes(answers) | {"replicas": [
+            router_view(self.policy, i) | {"replica": i, "stats": answers.get(i, {}).get("stats")}
+            for i in range(len(self.handles))]}
+        return Response(_encoder.encode(merged), media_type="application/json")
 
     async def _metrics(self) -> Response:
         results = await asyncio.gather(*(h.metrics_text.remote() for h in self.handles),
