@@ -307,9 +307,9 @@ async def test_killed_replica_errors_its_streams_restarts_and_rejoins(front: Fro
             while line == b"\n":
                 line = await on[alive].content.readline()
             assert line.startswith(b"data: {\"id\""), line
-        on[alive].close()
         async with http.post(front.url + "/v1/chat/completions", json=chat_body("still?")) as r:
-            assert r.status == 200 and r.headers["X-TF-Replica"] == alive
+            assert r.status == 200  # on `alive`, or on `dead` if it has already rejoined
+        on[alive].close()
 
         async def rejoined() -> bool:
             async with http.get(front.url + "/health") as resp:
