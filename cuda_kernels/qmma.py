@@ -29,7 +29,12 @@ and two words of a row's chunk, all in the layouts the other kernels use.
 
 Tiles: a block covers `ftiles` 16-feature tiles (for 'swiglu': 8 gate rows then the 8 up rows
 of the same 8 outputs) by `rtiles` 8-row tiles; a set's chunks are loaded `unroll` at a time
-before their math. None of it changes a bit. Expert-grouped (MoE) rows stay on qdot.
+before their math. None of it changes a bit.
+
+Expert-grouped rows (MoE, `grouped=True`): the rows come sorted by expert and a table gives
+each block (expert, first row, end row), a run of at most 8 * rtiles rows of one expert
+(`expert_tiles`); the block multiplies them by that expert's weights. Each row is still
+computed as above, so it gets qdot's bits whichever block, expert run or row count.
 """
 
 from __future__ import annotations
@@ -126,13 +131,14 @@ def _make_refs(variant: MmaVariant, swiglu: bool):
     ft, rt = variant.ftiles, variant.rtiles
 
     @cuda.jit(device=True)
-    def refs(xq, xs, w, scales, biases, row0, feat0, x_refs, xs_refs, w_refs, s_refs, b_refs):
-        # Row references (clamped: rows and features past the end are computed on a copy of
-        # the last one and not stored). x_refs[b]: B's x row g of row tile b; xs_refs[2b + h]:
-        # the chunk scales of C's x row 2t + h; w/s/b_refs[2a + h]: A's feature row g + 8h.
+    def refs(xq, xs, w, scales, biases, row0, last_row, expert, feat0, x_refs, xs_refs, w_refs,
+             s_refs, b_refs):
+        # Row references (clamped: rows past last_row and features past the end are computed
+        # on a copy of the last one and not stored). x_refs[b]: B's x row g of row tile b;
+        # xs_refs[2b + h]: the chunk scales of C's x row 2t + h; w/s/b_refs[2a + h]: A's
+        # feature row g + 8h of expert `expert`.
         lane = cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
-        last_row = xq.shape[0] - 1
         for b in range(rt):
             x_refs[b] = mm._row2(xq, min(row0 + TILE_ROWS * b + g, last_row))
             for h in range(2):
@@ -144,8 +150,9 @@ def _make_refs(variant: MmaVariant, swiglu: bool):
                     feat = min(feat0 + 8 * a + g, inter - 1) + (inter if h else 0)
                 else:
                     feat = min(feat0 + TILE_FEATS * a + g + 8 * h, w.shape[1] - 1)
-                w_refs[2 * a + h] = mm._row3(w, 0, feat)
-                s_refs[2 * a + h], b_refs[2 * a + h] = mm._row3(scales, 0, feat), mm._row3(biases, 0, feat)
+                w_refs[2 * a + h] = mm._row3(w, expert, feat)
+                s_refs[2 * a + h] = mm._row3(scales, expert, feat)
+                b_refs[2 * a + h] = mm._row3(biases, expert, feat)
 
     return refs
 
@@ -255,7 +262,7 @@ def _make_store(variant: MmaVariant, epilogue: str):
         return (buf[0, o, lane] + buf[2, o, lane]) + (buf[1, o, lane] + buf[3, o, lane])
 
     @cuda.jit(device=True)
-    def store(tot, row0, feat0, out):
+    def store(tot, row0, row_end, feat0, out):
         # The butterfly's last two steps over the warps, then the epilogue.
         buf = cuda.shared.array(shape, np.float32)
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -272,13 +279,13 @@ def _make_store(variant: MmaVariant, epilogue: str):
             total = total_of(buf, o, ln)
             up_total = total_of(buf, o + 2, ln) if swiglu else total
             feat = feat0 + (8 * a + m if swiglu else TILE_FEATS * a + m)
-            if row < out.shape[0] and feat < out.shape[1]:
+            if row < row_end and feat < out.shape[1]:
                 put(out, row, feat, total, up_total)
 
     return store
 
 
-def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str):
+def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str, grouped: bool):
     ft, rt, unroll = variant.ftiles, variant.rtiles, variant.unroll
     n_out, wpc = ft * rt * 4, qd.WORDS_PER_CHUNK[kind]
     feats_block = ft * (8 if epilogue == "swiglu" else TILE_FEATS)
@@ -292,18 +299,15 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
         for o in range(n_out):
             dst[o] = a[o] + b[o]
 
-    @kernel
-    def qmma_k(xq, xs, w, scales, biases, out):
-        # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
-        # w: [1, out_f, K * bits / 32] u32; scales/biases: [1, out_f, groups] f32;
-        # out: [rows, out_f] f32 (swiglu: w's rows / 2; add: updated in place).
-        row0, feat0 = cuda.blockIdx.x * TILE_ROWS * rt, cuda.blockIdx.y * feats_block
+    @cuda.jit(device=True)
+    def block_sum(xq, xs, w, scales, biases, row0, row_end, expert, feat0, out):
         x_refs = cuda.local.array(rt, mm._REF)
         xs_refs = cuda.local.array(rt2, mm._REF)
         w_refs = cuda.local.array(ft2, mm._REF)
         s_refs = cuda.local.array(ft2, mm._REF)
         b_refs = cuda.local.array(ft2, mm._REF)
-        refs(xq, xs, w, scales, biases, row0, feat0, x_refs, xs_refs, w_refs, s_refs, b_refs)
+        refs(xq, xs, w, scales, biases, row0, row_end - 1, expert, feat0, x_refs, xs_refs, w_refs,
+             s_refs, b_refs)
         work = (cuda.local.array(a_slots, np.uint32), cuda.local.array(b_slots, np.uint32),
                 cuda.local.array(ft4, np.float32))
         cur = cuda.local.array(n_out, np.float32)
@@ -327,24 +331,48 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
         add_into(cur, l0, cur)  # S3 + S7
         add_into(cur, l1, cur)  # (S1 + S5) + (S3 + S7)
         add_into(cur, l2, cur)  # T_w
-        store(cur, row0, feat0, out)
+        store(cur, row0, row_end, feat0, out)
+
+    if grouped:
+        @kernel
+        def qmma_grouped_k(xq, xs, w, scales, biases, tiles, out):
+            # As qmma_k, rows sorted by expert; tiles: [blocks, 3] int32 (expert, first row,
+            # end row) of each row block (an empty run: nothing to do).
+            tile = cuda.blockIdx.x
+            expert, row0, row_end = tiles[tile, 0], tiles[tile, 1], tiles[tile, 2]
+            if row0 >= row_end:
+                return
+            block_sum(xq, xs, w, scales, biases, row0, row_end, expert,
+                      cuda.blockIdx.y * feats_block, out)
+
+        return qmma_grouped_k
+
+    @kernel
+    def qmma_k(xq, xs, w, scales, biases, out):
+        # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
+        # w: [1, out_f, K * bits / 32] u32; scales/biases: [1, out_f, groups] f32;
+        # out: [rows, out_f] f32 (swiglu: w's rows / 2; add: updated in place).
+        block_sum(xq, xs, w, scales, biases, cuda.blockIdx.x * TILE_ROWS * rt, xq.shape[0], 0,
+                  cuda.blockIdx.y * feats_block, out)
 
     return qmma_k
 
 
-_KERNELS: dict[tuple[str, MmaVariant, int, str], object] = {}
+_KERNELS: dict[tuple[str, MmaVariant, int, str, bool], object] = {}
 
 
-def qmma_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str = "store"):
+def qmma_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str = "store",
+                grouped: bool = False):
     """The kernel for affine `kind` ('q4', 'q8'), `variant`, group_chunks chunks of 32 a scale
-    group, and epilogue ('store', 'add', 'swiglu')."""
+    group, and epilogue ('store', 'add', 'swiglu'); grouped: rows sorted by expert, with a
+    table of row blocks (`expert_tiles`)."""
     if kind not in qd.WORDS_PER_CHUNK or group_chunks < 1:
         raise ValueError(f"qmma: kind {kind!r}, {group_chunks} chunks a group")
     if epilogue not in mm.EPILOGUES:
         raise ValueError(f"qmma: epilogue {epilogue!r}")
-    key = (kind, variant, group_chunks, epilogue)
+    key = (kind, variant, group_chunks, epilogue, grouped)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, epilogue)
+        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, epilogue, grouped)
     return _KERNELS[key]
 
 
@@ -374,3 +402,32 @@ def launch_shape(rows: int, out_features: int, variant: MmaVariant, epilogue: st
     per_block = variant.ftiles * (8 if epilogue == "swiglu" else TILE_FEATS)
     row_block = TILE_ROWS * variant.rtiles
     return ((rows + row_block - 1) // row_block, (out_features + per_block - 1) // per_block), THREADS
+
+
+GROUPED_VARIANT = MmaVariant(2, 2, 2)  # 16 rows a block: an expert's run of slots is short
+
+
+def expert_tiles(xp, expert_ids, num_experts: int, rows_per_block: int):
+    """Rows of a grouped launch sorted by expert, and its row blocks, computed with array
+    module `xp` (NumPy or CuPy: no host round trip). expert_ids: [n] int32, the expert of each
+    row. -> (order [n] int64: sorted row i is row order[i]; tiles [blocks, 3] int32: expert,
+    first and end sorted row of each block, blocks = n // rows_per_block + num_experts (an
+    upper bound known without looking at the ids; blocks past the last run are empty)).
+    Any order inside an expert's run gives the same bits (each row is computed alone)."""
+    ids = expert_ids.astype(xp.int64)
+    order = xp.argsort(ids)
+    experts = xp.arange(num_experts, dtype=xp.int64)  # (searchsorted, not CuPy's bincount,
+    starts = xp.searchsorted(ids[order], experts, side="left")  # which syncs for max(ids))
+    counts = xp.searchsorted(ids[order], experts, side="right") - starts
+    runs = (counts + rows_per_block - 1) // rows_per_block
+    run_end = xp.cumsum(runs)
+    blocks = expert_ids.shape[0] // rows_per_block + num_experts
+    block = xp.arange(blocks, dtype=xp.int64)
+    expert = xp.searchsorted(run_end, block, side="right")
+    valid = expert < num_experts
+    e = xp.minimum(expert, num_experts - 1)
+    first = starts[e] + (block - (run_end[e] - runs[e])) * rows_per_block
+    end = xp.minimum(first + rows_per_block, starts[e] + counts[e])
+    tiles = xp.stack([e, xp.where(valid, first, 0), xp.where(valid, end, 0)], axis=1)
+    return order, tiles.astype(xp.int32)
+

@@ -310,6 +310,36 @@ def check_grouped_matmul(rng: np.random.Generator) -> None:
     single = np.full((1, out_f), np.nan, np.float32)
     launch.matmul("q4", x[1:2], codes[:1], scales[:1], biases[:1], 32, ids, single, path="few")
     assert np.array_equal(single[0], out[1]), "grouped row differs from the plain few-rows row"
+    _check_sorted_expert_matmul(rng)
+
+
+def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
+    """MoE rows sorted by expert on the tensor cores (launch.sorted_expert_matmul, the blocks
+    of qmma.expert_tiles) give every row the bits of the grouped few-rows launch: runs longer
+    than a block, a partial feature block, an expert with no rows, chunks some warps lack."""
+    from cuda_kernels import launch, qmma
+
+    for kind, bits, in_f, gs, out_f, ids in (
+        ("q4", 4, 352, 32, 19, [0] * 20 + [3] * 5 + [1] * 12),
+        ("q8", 8, 192, 64, 9, [2, 0, 2, 2, 1, 0, 2, 2, 2, 2]),
+    ):
+        experts = 4
+        codes, scales, biases, _ = affine_weight(rng, experts, out_f, in_f, bits, gs)
+        expert_ids = rng.permutation(np.asarray(ids, np.int32))
+        x = rng.standard_normal((expert_ids.shape[0], in_f)).astype(np.float32)
+        want = np.full((x.shape[0], out_f), np.nan, np.float32)
+        launch.matmul(kind, x, codes, scales, biases, gs, expert_ids, want, grouped=True)
+        xq, xs = launch._quantize(kind, x, None, None, None)
+        order, tiles = qmma.expert_tiles(np, expert_ids, experts, 16)
+        assert tiles.shape == (x.shape[0] // 16 + experts, 3)
+        runs = tiles[tiles[:, 1] < tiles[:, 2]]
+        assert (runs[:, 2] - runs[:, 1]).max() <= 16 and (expert_ids[order][runs[:, 1]] == runs[:, 0]).all()
+        got_sorted = np.full_like(want, np.nan)
+        launch.sorted_expert_matmul(kind, xq[order], xs[order], codes, scales, biases, gs, tiles,
+                                    got_sorted)
+        got = np.empty_like(want)
+        got[order] = got_sorted
+        assert np.array_equal(got, want), (kind, np.argwhere(got != want)[:4].tolist())
 
 
 def check_embed(rng: np.random.Generator) -> None:

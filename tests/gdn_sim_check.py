@@ -44,13 +44,30 @@ def check_delta_batch() -> None:
         states[slot] = inp["state"]
     cat = {n: np.concatenate([s[n] for s in streams]) for n in ("q", "k", "v", "g", "beta")}
     out = np.full(cat["v"].shape, np.nan, np.float32)
+    row_seq = np.repeat(np.array(slots, np.int32), lengths)
+    before = states.copy()
     cuda_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], states,
-                                    np.repeat(np.array(slots, np.int32), lengths), out)
+                                    row_seq, np.zeros(3, np.uint8), out)
     offsets = np.cumsum([0, *lengths])
     for i, inp in enumerate(streams):
         solo_out, solo_state = run_delta(cuda_gdn.gated_delta_rule, inp)
         assert np.array_equal(out[offsets[i]:offsets[i + 1]], solo_out), "batch != solo"
         assert np.array_equal(states[slots[i]], solo_state), "batch state != solo state"
+    # Frozen slots 1 and 2 (draft verification): the same rows from the threads' copies, their
+    # states untouched; also with two value columns a thread (MAX_THREADS patched to 2).
+    frozen = np.array([0, 1, 1], np.uint8)
+    saved = cuda_gdn.MAX_THREADS
+    for threads in (saved, 2):
+        cuda_gdn.MAX_THREADS = threads
+        try:
+            held_states, held = before.copy(), np.full(cat["v"].shape, np.nan, np.float32)
+            cuda_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
+                                            held_states, row_seq, frozen, held)
+        finally:
+            cuda_gdn.MAX_THREADS = saved
+        assert np.array_equal(held, out), f"frozen rows differ ({threads} threads)"
+        assert np.array_equal(held_states[1:], before[1:]), "a frozen state changed"
+        assert np.array_equal(held_states[0], states[0]), "an unfrozen state did not advance"
 
 
 def check_conv() -> None:
@@ -68,8 +85,15 @@ def check_conv() -> None:
     assert np.array_equal(steps, results["cuda"][0]), "conv step != rows"
     states, out = np.stack([np.zeros_like(inp["state"]), inp["state"]]), np.empty((5, 20), np.float32)
     x = np.concatenate([inp["x"][:1], inp["x"]])
-    cuda_gdn.causal_conv1d_batch(x, states, inp["weight"], np.array([0, 1, 1, 1, 1], np.int32), out)
+    before = states.copy()
+    row_seq = np.array([0, 1, 1, 1, 1], np.int32)
+    cuda_gdn.causal_conv1d_batch(x, states, inp["weight"], row_seq, np.zeros(2, np.uint8), out)
     assert np.array_equal(out[1:], results["cuda"][0]), "conv batch != rows"
+    held_states, held = before.copy(), np.empty_like(out)
+    cuda_gdn.causal_conv1d_batch(x, held_states, inp["weight"], row_seq, np.array([0, 1], np.uint8),
+                                 held)
+    assert np.array_equal(held, out), "frozen conv rows differ"
+    assert np.array_equal(held_states[1], before[1]) and np.array_equal(held_states[0], states[0])
 
 
 def _both(name: str, *args: np.ndarray | float | int, outs: list[np.ndarray]) -> None:

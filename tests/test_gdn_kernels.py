@@ -111,13 +111,58 @@ def test_batch_of_streams_is_bit_identical_to_each_alone():
     row_seq = np.repeat(np.array(slots, np.int32), lengths)
     out = np.full(cat["v"].shape, np.nan, np.float32)
     gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], states,
-                               row_seq, out)
+                               row_seq, np.zeros(4, np.uint8), out)
     offsets = np.cumsum([0, *lengths])
     for i, inp in enumerate(streams):
         solo_out, solo_state = run_delta(gdn.gated_delta_rule, inp)
         assert np.array_equal(out[offsets[i]:offsets[i + 1]], solo_out)
         assert np.array_equal(states[slots[i]], solo_state)
     assert np.array_equal(states[2], untouched)
+
+
+def test_frozen_lanes_give_the_same_rows_and_keep_their_state():
+    """A frozen slot (draft verification) computes its rows from a copy: outputs bit-identical
+    to the unfrozen call, its stored state unchanged; other slots advance as usual."""
+    rng = np.random.default_rng(15)
+    lengths, slots = [3, 5, 1], [2, 0, 1]  # 5 rows: longer than one dv block's reload
+    streams = [delta_inputs(rng, n, 2, 4, 16, 40) for n in lengths]
+    states = rng.standard_normal((3, 4, 16, 40)).astype(np.float32)
+    cat = {n: np.concatenate([s[n] for s in streams]) for n in ("q", "k", "v", "g", "beta")}
+    row_seq = np.repeat(np.array(slots, np.int32), lengths)
+    free, free_states = np.empty_like(cat["v"]), states.copy()
+    gdn.gated_delta_rule_batch(*(cat[n] for n in ("q", "k", "v", "g", "beta")), free_states,
+                               row_seq, np.zeros(3, np.uint8), free)
+    held, held_states = np.empty_like(cat["v"]), states.copy()
+    frozen = np.array([1, 0, 1], np.uint8)  # slots 0 and 2 frozen, slot 1 not
+    gdn.gated_delta_rule_batch(*(cat[n] for n in ("q", "k", "v", "g", "beta")), held_states,
+                               row_seq, frozen, held)
+    assert np.array_equal(held, free)
+    assert np.array_equal(held_states[[0, 2]], states[[0, 2]])
+    assert np.array_equal(held_states[1], free_states[1])
+    x = rng.standard_normal((9, 70)).astype(np.float32)
+    weight = rng.standard_normal((70, 4)).astype(np.float32)
+    conv = rng.standard_normal((3, 3, 70)).astype(np.float32)
+    free_conv, held_conv = conv.copy(), conv.copy()
+    out_free, out_held = np.empty_like(x), np.empty_like(x)
+    gdn.causal_conv1d_batch(x, free_conv, weight, row_seq, np.zeros(3, np.uint8), out_free)
+    gdn.causal_conv1d_batch(x, held_conv, weight, row_seq, frozen, out_held)
+    assert np.array_equal(out_held, out_free)
+    assert np.array_equal(held_conv[[0, 2]], conv[[0, 2]])
+    assert np.array_equal(held_conv[1], free_conv[1])
+
+
+def test_frozen_rows_must_be_contiguous():
+    from tf_async.backend.cpu.ops import CpuOps
+    from tf_async.errors import BadInputError
+
+    ops = CpuOps()
+    x = np.zeros((3, 8), np.float32)
+    states = np.zeros((2, 3, 8), np.float32)
+    with pytest.raises(BadInputError, match="contiguous"):
+        ops.causal_conv1d(x, states, np.zeros((8, 4), np.float32), np.array([0, 1, 0], np.int32),
+                          np.array([1, 0], np.uint8))
+    ops.causal_conv1d(x, states, np.zeros((8, 4), np.float32), np.array([0, 1, 0], np.int32),
+                      np.array([0, 1], np.uint8))  # an unfrozen lane may come back
 
 
 def test_reading_before_the_write_would_be_caught():
@@ -167,7 +212,7 @@ def test_conv_split_and_batch_are_bit_identical():
     states = np.stack([b["state"], a["state"]])
     out = np.empty((11, 70), np.float32)
     gdn.causal_conv1d_batch(np.concatenate([b["x"], a["x"]]), states, a["weight"],
-                            np.array([0, 0] + [1] * 9, np.int32), out)
+                            np.array([0, 0] + [1] * 9, np.int32), np.zeros(2, np.uint8), out)
     assert np.array_equal(out[2:], whole) and np.array_equal(states[1], state)
 
 

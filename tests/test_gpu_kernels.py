@@ -544,6 +544,29 @@ def test_moe_against_cpu(ops, rng) -> None:
     assert np.array_equal(solo[0], got[4])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_moe_sorted_by_expert_gives_each_slot_its_bits(ops, rng, monkeypatch, bits) -> None:
+    """A prompt-sized MoE launch (slots >= MOE_SORTED_MIN_SLOTS) runs sorted by expert on the
+    tensor cores: every row equal to the one-slot-a-row path and to the row alone."""
+    from tf_async.backend import cuda_ops
+    from tf_async.backend.weights import DenseWeight, quantize_affine
+
+    hidden, inter, experts, top_k = 512, 256, 16, 4
+    router = DenseWeight(rng.standard_normal((experts, hidden)).astype(np.float32))
+    gate, up = (quantize_affine(rng.standard_normal((experts, inter, hidden)).astype(np.float32), bits, 64)
+                for _ in range(2))
+    down = quantize_affine(rng.standard_normal((experts, hidden, inter)).astype(np.float32), bits, 64)
+    x = rng.standard_normal((300, hidden)).astype(np.float32)
+    dev = [ops.upload_linear(w) for w in (router, gate, up, down)]
+    assert 300 * top_k >= cuda_ops.MOE_SORTED_MIN_SLOTS
+    sorted_rows = ops.to_host(ops.moe(ops.asarray(x), *dev, top_k, True))
+    monkeypatch.setattr(cuda_ops, "MOE_SORTED_MIN_SLOTS", 1 << 30)
+    one_a_row = ops.to_host(ops.moe(ops.asarray(x), *dev, top_k, True))
+    assert np.array_equal(sorted_rows, one_a_row)
+    solo = ops.to_host(ops.moe(ops.asarray(x[7:8]), *dev, top_k, True))
+    assert np.array_equal(solo[0], sorted_rows[7])
+
+
 def test_sampling(ops, rng) -> None:
     from cuda_kernels import sampling
 

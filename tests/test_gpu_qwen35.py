@@ -230,9 +230,17 @@ def test_delta_rule_batch_of_streams(dev, rng, model) -> None:
     if dev.ops is None:  # the simulator copies host arrays in, which must be contiguous
         v_view = np.ascontiguousarray(v_view)
     dev_states, out = dev.put(states), dev.poisoned((rows, s.hv, s.dv))
+    thawed = dev.put(np.zeros(states.shape[0], np.uint8))
     dev.launch("gated_delta_rule_batch", dev.put(cat["q"]), dev.put(cat["k"]), v_view,
-               dev.put(cat["g"]), dev.put(cat["beta"]), dev_states, dev.put(row_seq), out)
+               dev.put(cat["g"]), dev.put(cat["beta"]), dev_states, dev.put(row_seq), thawed, out)
     got, got_states = dev.get(out), dev.get(dev_states)
+    # every stream frozen (draft verification): the same rows, no state written
+    frozen_states, frozen_out = dev.put(states), dev.poisoned((rows, s.hv, s.dv))
+    dev.launch("gated_delta_rule_batch", dev.put(cat["q"]), dev.put(cat["k"]), v_view,
+               dev.put(cat["g"]), dev.put(cat["beta"]), frozen_states, dev.put(row_seq),
+               dev.put(np.ones(states.shape[0], np.uint8)), frozen_out)
+    assert np.array_equal(dev.get(frozen_out), got), "frozen rows differ"
+    assert np.array_equal(dev.get(frozen_states), states), "a frozen state was written"
     offsets = np.cumsum([0, *(n for n, _ in STREAMS)])
     for i, inp in enumerate(streams):
         solo, solo_state = gpu_delta(dev, "gated_delta_rule", inp)
@@ -242,7 +250,7 @@ def test_delta_rule_batch_of_streams(dev, rng, model) -> None:
         assert np.array_equal(got_states[slot], states[slot]), f"slot {slot} was written"
     cpu_states, cpu_out = states.copy(), np.full((rows, s.hv, s.dv), np.nan, np.float32)
     cpu_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
-                                   cpu_states, row_seq, cpu_out)
+                                   cpu_states, row_seq, np.zeros(states.shape[0], np.uint8), cpu_out)
     assert rel_err(got, cpu_out) < DELTA_BOUND
     assert rel_err(got_states, cpu_states) < DELTA_BOUND
 
@@ -289,8 +297,13 @@ def test_conv_batch_of_streams(dev, rng, model) -> None:
     row_seq = np.repeat(np.array(slots, np.int32), [n for n, _ in STREAMS])
     dev_states, out = dev.put(states), dev.poisoned(x.shape)
     dev.launch("causal_conv1d_batch", dev.put(x), dev_states, dev.put(weight), dev.put(row_seq),
-               out)
+               dev.put(np.zeros(7, np.uint8)), out)
     got, got_states = dev.get(out), dev.get(dev_states)
+    frozen_states, frozen_out = dev.put(states), dev.poisoned(x.shape)
+    dev.launch("causal_conv1d_batch", dev.put(x), frozen_states, dev.put(weight), dev.put(row_seq),
+               dev.put(np.ones(7, np.uint8)), frozen_out)
+    assert np.array_equal(dev.get(frozen_out), got), "frozen conv rows differ"
+    assert np.array_equal(dev.get(frozen_states), states), "a frozen conv state was written"
     offsets = np.cumsum([0, *(n for n, _ in STREAMS)])
     for i, inp in enumerate(streams):
         state, solo = dev.put(inp["state"]), dev.poisoned(inp["x"].shape)
@@ -300,7 +313,7 @@ def test_conv_batch_of_streams(dev, rng, model) -> None:
     for slot in (3, 5):
         assert np.array_equal(got_states[slot], states[slot]), f"slot {slot} was written"
     cpu_states, cpu_out = states.copy(), np.full(x.shape, np.nan, np.float32)
-    cpu_gdn.causal_conv1d_batch(x, cpu_states, weight, row_seq, cpu_out)
+    cpu_gdn.causal_conv1d_batch(x, cpu_states, weight, row_seq, np.zeros(7, np.uint8), cpu_out)
     assert rel_err(got, cpu_out) < ONE_PASS_BOUND
     assert np.array_equal(got_states, cpu_states)
 

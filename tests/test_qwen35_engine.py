@@ -106,7 +106,7 @@ async def test_state_is_zeroed_at_open_and_after_preemption(hybrids, plain):
     assert got == plain[name, "greedy"]
     lane_bytes = 4 * 3 * (3 * 128 + 4 * 16 * 16)  # gdn layers * ((K-1) * C + Hv * dk * dv)
     assert stats["recurrent_state_bytes_per_lane"] == lane_bytes
-    assert stats["recurrent_snapshot_bytes_per_lane"] == lane_bytes
+    assert stats["recurrent_stash_bytes_per_lane"] == 0  # no drafts: nothing stashed, no copy
 
 
 async def test_mutation_without_zeroing_at_open_turns_red(hybrids, plain, monkeypatch):
@@ -174,7 +174,7 @@ def fresh_mtp_drafts(head, tokens: list[int], seq, count: int) -> tuple[int, ...
                          np.asarray([num - 2], np.int64), 128, np.zeros(1, np.int32))
     kv = ops.alloc_kv(cfg.num_layers, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
     _, hidden = decoder.forward(batch, kv, np.ones((cfg.num_layers, 2), np.float32),
-                                states=decoder.new_states(1, False), all_hidden=True)
+                                states=decoder.new_states(1), all_hidden=True)
     ring = ops.alloc_kv(1, 128, cfg.num_kv_heads, cfg.head_dim, "f32")
     logits, out = head.rows(np.asarray(tokens[1:], np.int64), pos, hidden, ring)
     row, prev, outputs, drafts = logits[-1], out[-1:], list(seq.output_ids), []
@@ -240,8 +240,8 @@ async def test_cancels_mid_draft_leave_others_equal_to_plain(hybrids, plain, spe
 @pytest.mark.parametrize("forced", [False, True])
 async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybrids, plain,
                                                                            forced):
-    """The forward fails after it advanced the states: lanes saved for verification (forced
-    drafts) go back and run alone; the others' state is lost, so they fail clearly."""
+    """The forward fails after it advanced the states: lanes frozen for verification (forced
+    drafts) kept their state and run alone; the others' state is lost, so they fail clearly."""
     name = "dense-mlx4"
     async with engine(hybrids[name], parallel=4, drafter="mtp" if forced else None,
                       draft_tokens=2) as eng:
@@ -277,6 +277,47 @@ async def test_failure_inside_a_hybrid_forward_never_leaves_a_wrong_stream(hybri
     (saved, lost), = seen  # one failed round
     assert len(lost) == len(failed) > 0 and len(failed) < len(PROMPTS)
     assert len(saved) > 0 if forced else saved == ()  # saved lanes ran alone, equal to plain
+
+
+async def test_failure_inside_a_round_of_decode_steps_fails_its_streams_clearly(hybrids, plain):
+    """Decode steps (several forwards a round, the state advancing at each): a forward that
+    fails after its step advanced the states loses them, so every stream of that round fails
+    with a clear error; the others and a request after it equal plain, and idle is clean."""
+    name = "dense-mlx4"
+    async with engine(hybrids[name], parallel=4, decode_steps=4) as eng:
+        runner = eng.parts.runner
+        real_forward, real_steps, calls = runner.decoder.forward, runner._forward_steps, itertools.count()
+        stepped: list[int] = []
+        in_steps = [False]
+
+        def forward_steps(*args):
+            in_steps[0] = True
+            try:
+                return real_steps(*args)
+            finally:
+                in_steps[0] = False
+
+        def forward(batch, kv, scales, **kw):
+            out = real_forward(batch, kv, scales, **kw)
+            if in_steps[0] and len(batch.token_ids) > 1 and next(calls) == 5:
+                stepped.append(len(batch.token_ids))
+                raise RuntimeError("injected failure inside a round of decode steps")
+            return out
+
+        runner.decoder.forward, runner._forward_steps = forward, forward_steps
+        outs = await asyncio.gather(*(eng.complete(p, **sampling("greedy", i))
+                                      for i, p in enumerate(PROMPTS)), return_exceptions=True)
+        runner.decoder.forward = real_forward
+        after = await eng.complete(PROMPTS[0], **sampling("greedy", 0))
+        stats = await idle_stats(eng)
+    failed = [str(o) for o in outs if isinstance(o, Exception)]
+    assert stepped and len(failed) == stepped[0], (stepped, failed)
+    assert all("recurrent state was lost" in e for e in failed), failed
+    for i, out in enumerate(outs):
+        if not isinstance(out, Exception):
+            assert out.token_ids == plain[name, "greedy"][i], i
+    assert after.token_ids == plain[name, "greedy"][0]
+    assert stats["rounds"] > 0
 
 
 async def test_fp8_kv_calibrates_and_mtp_drafts_equal_plain(hybrids):
@@ -322,7 +363,7 @@ async def test_memory_report_counts_the_recurrent_state(hybrids):
     lane_bytes = 4 * 3 * (3 * 128 + 4 * 16 * 16)
     lines = lane_memory_lines("tiny", ckpt.config, ckpt.config, parallel=8, ctx=1024,
                               kv_dtype="bf16", drafter_layers=1, drafter_name="mtp",
-                              recurrent_bytes=lane_bytes, snapshot_bytes=lane_bytes)
+                              recurrent_bytes=lane_bytes, stash_bytes=1000)
     assert "fixed a lane: 0.3 MiB -> 0 MiB" in lines[2]  # MTP ring: 2 * 1024 rows * 2 * 32 * 2 B
     assert lines[-1] == (f"  recurrent state a lane (in the run, zeroed at open): {mib(lane_bytes)}"
-                         f" + rollback copy {mib(lane_bytes)}; all lanes {mib(16 * lane_bytes)}")
+                         f" + verify stash {mib(1000)}; all lanes {mib(8 * (lane_bytes + 1000))}")

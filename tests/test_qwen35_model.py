@@ -198,8 +198,9 @@ def greedy_plain(decoder: HybridDecoder, num_new: int, lane: int
     return tokens, by_pos
 
 
-def test_snapshot_restore_and_recompute_equals_plain_decoding(model):
-    """Verify rows with wrong drafts, roll back, re-run the accepted rows: the bits of plain."""
+def test_frozen_verify_and_commit_equal_plain_decoding(model):
+    """Verify rows with wrong drafts on a frozen lane (its state untouched, the rows stashed),
+    then commit the accepted rows: the logits and the state bits of plain decoding."""
     decoder, lane = model.decoder, 2
     plain, plain_logits = greedy_plain(decoder, 12, lane=0)
     plain_state = lane_state(decoder, 0)
@@ -211,17 +212,19 @@ def test_snapshot_restore_and_recompute_equals_plain_decoding(model):
     for wrong_at in (1, None, 0, 2):  # first rejected draft index (None: all accepted)
         i = len(emitted)
         drafts = [bad[i + j] if j == wrong_at else plain[i + j] for j in range(3)]
-        decoder.states.snapshot([lane])
+        before = lane_state(decoder, lane)
+        decoder.states.freeze((lane,))
+        decoder.states.plan_stash([(lane, 0, 4)])
         verify = run_round(decoder, kv, [Rows(SCATTERED, lane, [emitted[-1], *drafts], pos)])[0]
+        decoder.states.freeze(())
+        decoder.states.plan_stash([])
+        for got, want in zip(lane_state(decoder, lane), before, strict=True):
+            assert np.array_equal(got, want), "a frozen lane's state changed in the verify round"
         accepted = 0
         while accepted < 3 and drafts[accepted] == int(np.argmax(verify[accepted])):
             accepted += 1
         assert accepted == (3 if wrong_at is None else wrong_at)
-        if accepted < 3:
-            decoder.states.restore([lane])
-            redo = run_round(decoder, kv, [Rows(SCATTERED, lane,
-                                                [emitted[-1], *drafts[:accepted]], pos)])[0]
-            assert np.array_equal(redo, verify[:accepted + 1])
+        decoder.commit_states(((lane, accepted + 1),))
         for row in range(accepted + 1):
             assert np.array_equal(verify[row], plain_logits[pos + row])
         emitted += drafts[:accepted] + [int(np.argmax(verify[accepted]))]
@@ -329,24 +332,35 @@ def test_make_decoder_dispatches_from_one_table_by_architecture(tiny_llama):
         make_decoder(unknown, CpuOps())
 
 
-def test_recurrent_states_sizes_zero_and_snapshot(model):
+def test_recurrent_states_sizes_zero_and_stash(model):
     decoder = model.decoder
     states: RecurrentStates = decoder.new_states(3)
     conv_bytes = 4 * 3 * (4 - 1) * (2 * 2 * 16 + 4 * 16)  # gdn layers * (K-1) * C
     delta_bytes = 4 * 3 * 4 * 16 * 16  # gdn layers * Hv * dk * dv
     assert states.bytes_per_lane == conv_bytes + delta_bytes
-    assert states.num_bytes == 3 * 2 * states.bytes_per_lane
+    assert states.num_bytes == 3 * states.bytes_per_lane  # no copy of any state
+    states.plan_stash([(2, 1, 4), (0, 5, 2)])  # grows to the longest run: 4 rows a lane
+    row_bytes = 4 * 3 * ((2 * 2 * 16 + 4 * 16) + 2 * 4)  # gdn layers * (C + 2 Hv)
+    assert states.stash_bytes_per_lane == 4 * row_bytes
+    assert states.num_bytes == 3 * (states.bytes_per_lane + 4 * row_bytes)
+    width = 2 * 2 * 16 + 4 * 16
+    qkv = np.arange(7 * width, dtype=np.float32).reshape(7, width)
+    g, beta = -np.arange(7 * 4, dtype=np.float32).reshape(7, 4), np.ones((7, 4), np.float32)
+    states.stash(1, qkv, g, beta)
+    assert np.array_equal(states.stashed[1, 2, :, :width], qkv[1:5])
+    assert np.array_equal(states.stashed[1, 0, :2, width:width + 4], g[5:7])
+    assert not states.stashed[0].any() and not states.stashed[1, 1].any()
     states.conv[...] = 1.0
     states.delta[...] = 2.0
-    states.snapshot([0, 2])
     states.zero(2)
     assert not states.conv[:, 2].any() and not states.delta[:, 2].any()
     assert states.conv[:, 1].all() and states.delta[:, 0].all()
-    states.delta[:, 0] = 5.0
-    states.restore([2, 0])
-    assert (states.conv == 1.0).all() and (states.delta == 2.0).all()
+    states.freeze((2, 0))
+    assert states.frozen.tolist() == [1, 0, 1]
     with pytest.raises(ValueError, match="outside"):
         states.zero(3)
+    with pytest.raises(ValueError, match="outside"):
+        states.freeze((3,))
 
 
 def test_forward_needs_lanes_and_one_shot_equals_fresh_state(model):

@@ -94,9 +94,11 @@ class Ops(Protocol):
 
     # ---- Gated DeltaNet and gated attention (hybrid models): twins backend/cpu/gdn.py and
     # cuda_kernels/gdn.py; outputs float32, states updated in place
-    def causal_conv1d(self, x: Array, conv_states: Array, weight: Array, row_lanes: Array) -> Array:
+    def causal_conv1d(self, x: Array, conv_states: Array, weight: Array, row_lanes: Array,
+                      frozen: Array) -> Array:
         """silu(causal conv) of x [rows, C] -> [rows, C]; conv_states [lanes, K-1, C] carried,
-        weight [C, K], row_lanes [rows] int32 (a stream's rows contiguous, in time order)."""
+        weight [C, K], row_lanes [rows] int32 (a stream's rows contiguous, in time order);
+        frozen [lanes] uint8: those lanes' rows run from a copy, their state stays as it was."""
         ...
 
     def gdn_qk_l2norm(self, mixed: Array, num_k_heads: int, head_k_dim: int, eps: float,
@@ -109,9 +111,9 @@ class Ops(Protocol):
         ...
 
     def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array,
-                         states: Array, row_lanes: Array) -> Array:
+                         states: Array, row_lanes: Array, frozen: Array) -> Array:
         """The delta rule over rows of many streams -> o [rows, Hv, dv]; states
-        [lanes, Hv, dk, dv] updated."""
+        [lanes, Hv, dk, dv] updated, except frozen lanes' (as in causal_conv1d)."""
         ...
 
     def gated_rms_norm(self, x: Array, z: Array, weight: Array, eps: float) -> Array:

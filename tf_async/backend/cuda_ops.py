@@ -87,6 +87,12 @@ def _load_cuda() -> tuple[Any, Any, Any, Any]:
     return cupy, cuda, launch, gdn
 
 
+# MoE rounds with at least this many routed slots (rows x top_k: prompt steps) run sorted by
+# expert on the tensor cores, one launch a weight; fewer (decode) run one slot a row on qdot.
+# Either way a slot gets the same bits (cuda_kernels/qmma.py).
+MOE_SORTED_MIN_SLOTS = 128
+
+
 @dataclass(frozen=True, slots=True)
 class Int8Rows:
     """Rows already in the form the int8-activation matmul multiplies (CudaOps.rms_norm_for):
@@ -542,12 +548,54 @@ class CudaOps:
         self._launch.moe_route(self._dev(logits), int(top_k), bool(norm_topk_prob), self._dev(ids),
                                self._dev(weights), self._stream())
         flat_ids = ids.reshape(-1)
-        x_slots = xp.repeat(x, top_k, axis=0)
-        h = self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
-                          self._expert_linear(x_slots, up, flat_ids))
-        expert_out = self._expert_linear(h, down, flat_ids)
+        if rows * top_k >= MOE_SORTED_MIN_SLOTS and self._takes_int8_x(gate, up, down):
+            expert_out = self._sorted_experts(x, flat_ids, top_k, (gate, up, down), num_experts)
+        else:
+            x_slots = xp.repeat(x, top_k, axis=0)
+            h = self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
+                              self._expert_linear(x_slots, up, flat_ids))
+            expert_out = self._expert_linear(h, down, flat_ids)
         out = xp.empty_like(x)
         self._launch.moe_combine(self._dev(expert_out), self._dev(weights), self._dev(out), self._stream())
+        return out
+
+    def _takes_int8_x(self, *ws: Linear) -> bool:
+        return all(self._launch.uses_int8_x(kind, words, gs)
+                   for kind, words, _, _, gs in map(self._weight_parts, ws))
+
+    def _sorted_experts(self, x: Any, flat_ids: Any, top_k: int, ws: tuple[Linear, Linear, Linear],
+                        num_experts: int) -> Any:
+        """The routed slots sorted by expert, each expert's run on the tensor cores (one
+        launch a weight, qdot's bits a row): [rows * top_k, H] in slot order."""
+        xp, gate, up, down = self.xp, *ws
+        order, tiles = self._launch.expert_tiles(xp, flat_ids, num_experts,
+                                                 self._launch.SORTED_EXPERT_ROWS)
+        tokens = order // top_k  # the x row of each sorted slot
+        quantized: dict[str, tuple[Any, Any]] = {}  # x once a byte order, gate and up share it
+        h = self.silu_mul(self._sorted_linear(x, tokens, gate, tiles, quantized),
+                          self._sorted_linear(x, tokens, up, tiles, quantized))
+        out_sorted = self._sorted_linear(h, None, down, tiles, {})
+        expert_out = xp.empty_like(out_sorted)
+        expert_out[order] = out_sorted
+        return expert_out
+
+    def _sorted_linear(self, rows: Any, take: Any | None, w: Linear, tiles: Any,
+                       quantized: dict[str, tuple[Any, Any]]) -> Any:
+        """(rows[take] or rows) [n, K], sorted by expert, times each one's expert of w."""
+        xp, dev = self.xp, self._dev
+        kind, words, scales, biases, group_size = self._weight_parts(w)
+        if kind not in quantized:
+            q_shape, s_shape = self._launch.quantize_scratch_shapes(*rows.shape)
+            xq, xs = xp.empty(q_shape, xp.int8), xp.empty(s_shape, xp.float32)
+            self._launch.quantize(kind, dev(rows), dev(xq), dev(xs), self._stream())
+            quantized[kind] = xq, xs
+        xq, xs = quantized[kind]
+        if take is not None:
+            xq, xs = xq[take], xs[take]
+        out = xp.empty((xq.shape[0], w.out_features), xp.float32)
+        self._launch.sorted_expert_matmul(kind, dev(xq), dev(xs), dev(words), dev(scales),
+                                          dev(biases), group_size, dev(tiles), dev(out),
+                                          self._stream())
         return out
 
     def _expert_linear(self, rows: Any, w: Linear, expert_ids: Any) -> Any:
@@ -587,11 +635,12 @@ class CudaOps:
     def _empty(self, shape: tuple[int, ...]) -> Any:
         return self.xp.empty(shape, dtype=np.float32)
 
-    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any) -> Any:
+    def causal_conv1d(self, x: Any, conv_states: Any, weight: Any, row_lanes: Any,
+                      frozen: Any) -> Any:
         out = self._empty(x.shape)
         dev = self._dev
         self._gdn.causal_conv1d_batch(dev(x), dev(conv_states), dev(weight), dev(row_lanes),
-                                      dev(out), stream=self._stream())
+                                      dev(frozen), dev(out), stream=self._stream())
         return out
 
     def gdn_qk_l2norm(self, mixed: Any, num_k_heads: int, head_k_dim: int, eps: float,
@@ -609,9 +658,9 @@ class CudaOps:
         return g, beta
 
     def gated_delta_rule(self, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any,
-                         row_lanes: Any) -> Any:
+                         row_lanes: Any, frozen: Any) -> Any:
         out = self._empty(v.shape)
-        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, out)]
+        parts = [self._dev(x) for x in (q, k, v, g, beta, states, row_lanes, frozen, out)]
         self._gdn.gated_delta_rule_batch(*parts, stream=self._stream())
         return out
 

@@ -152,9 +152,10 @@ def mib(num_bytes: int) -> str:
 
 def lane_memory_lines(name: str, target: ModelConfig, drafter: ModelConfig, *, parallel: int,
                       ctx: int, kv_dtype: str, drafter_layers: int, drafter_name: str,
-                      recurrent_bytes: int = 0, snapshot_bytes: int = 0) -> list[str]:
+                      recurrent_bytes: int = 0, stash_bytes: int = 0) -> list[str]:
     """Per-lane drafter memory: fixed (a buffer per lane before) vs in the run (now); hybrids
-    add each lane's recurrent state (`recurrent_bytes`, and the copy kept for draft rollback)."""
+    add each lane's recurrent state (`recurrent_bytes`) and its verify stash (`stash_bytes`:
+    the rows of a verify round, kept until their commit, instead of a copy of the state)."""
     layout = AreaLayout.for_model(drafter, ctx, kv_dtype, num_layers=drafter_layers)
     per_lane = layout.num_bytes
     kv_row = target.num_layers * 2 * target.num_kv_heads * target.head_dim * KV_ITEMSIZE[kv_dtype]
@@ -170,6 +171,6 @@ def lane_memory_lines(name: str, target: ModelConfig, drafter: ModelConfig, *, p
     ]
     if recurrent_bytes:
         lines.append(f"  recurrent state a lane (in the run, zeroed at open): {mib(recurrent_bytes)}"
-                     f" + rollback copy {mib(snapshot_bytes)}; all lanes "
-                     f"{mib(parallel * (recurrent_bytes + snapshot_bytes))}")
+                     f" + verify stash {mib(stash_bytes)}; all lanes "
+                     f"{mib(parallel * (recurrent_bytes + stash_bytes))}")
     return lines

@@ -159,13 +159,14 @@ class PrefixPlanner:
             stop = min(stop, prompt_end)
         return stop - seq.num_computed
 
-    def keep_state(self, seq: Sequence, *, rolled_back: bool) -> None:
-        """Hybrids: after a round that left the stream's state exactly at a page boundary
-        (no rollback pending), keep a copy of it for streams that resume from there: for good
-        at a state point, else as the stream's one moving state."""
+    def keep_state(self, seq: Sequence) -> None:
+        """Hybrids: after a round that left the stream's state exactly at a page boundary,
+        keep a copy of it for streams that resume from there: for good at a state point, else
+        as the stream's one moving state. (The copy runs after the plan's state commits, so a
+        lane that verified drafts is at num_computed by then.)"""
         lane, size, slots = seq.lane, self.runs.page_size, self.state_slots
         if (slots is None or lane is None or seq.num_computed == 0
-                or seq.num_computed % size or seq.num_redo or rolled_back):
+                or seq.num_computed % size):
             return
         key = self.page_key(seq, seq.num_computed // size - 1)
         if self._is_state_point(seq, seq.num_computed):

@@ -4,8 +4,9 @@ the tokens themselves where the ops choose them on the device.
 It owns the arena (the KV memory of the engine, allocated once) and is the only place that
 touches arrays on the step path. Hybrid models also keep each lane's recurrent state (the
 decoder's RecurrentStates, one slot per lane): the runner zeroes a lane's slot where it
-zeroes the run's new pages, saves the slot of every lane that verifies drafts before the
-forward, and puts it back when the scheduler rolls the lane back (plan.lanes_to_restore).
+zeroes the run's new pages, freezes the slot of every lane that verifies drafts for the
+forward (its rows stashed), and commits it over the accepted rows at the start of the next
+round (plan.state_commits).
 """
 
 from __future__ import annotations
@@ -87,35 +88,46 @@ class Runner:
                 kv[:, :, source * size: source * size + num_rows]
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
-        """Kept states are copied out first; rolled-back lanes get their saved state; newly
-        opened lanes start from zero state (after the restores: a lane released and opened
-        again is zeroed), or from a kept state when they resume a cached prefix. Engine stream."""
+        """Lanes that verified drafts last round advance over their accepted rows first; then
+        kept states are copied out; newly opened lanes start from zero state (after the
+        commits and keeps: a lane released and opened again is zeroed), or from a kept state
+        when they resume a cached prefix. Engine stream."""
         if self.states is None:
             return
-        for lane, slot in plan.states_to_keep:  # before anything changes those lanes
+        self.decoder.commit_states(plan.state_commits)
+        for lane, slot in plan.states_to_keep:  # before zeroes and resumes change those lanes
             self.states.keep(lane, slot)
-        if plan.lanes_to_restore:
-            self.states.restore(plan.lanes_to_restore)
         for lane in plan.lanes_to_zero:
             self.states.zero(lane)
         for slot, lane in plan.states_to_resume:  # resumed streams: a kept state, not zero
             self.states.resume(slot, lane)
 
-    def save_states(self, all_rows: tuple[SeqRows, ...]) -> tuple[int, ...]:
-        """Save the state of every lane that verifies drafts (a rejected draft rolls it back)."""
+    def freeze_states(self, all_rows: tuple[SeqRows, ...]) -> tuple[int, ...]:
+        """Freeze the state of every lane that verifies drafts for this round: its rows run
+        from a copy and are stashed; the next plan commits the accepted ones."""
         if self.states is None:
             return ()
         lanes = tuple(sorted({r.lane for r in all_rows if r.draft_ids}))
-        if lanes:
-            self.states.snapshot(lanes)
+        self.states.freeze(lanes)
         return lanes
+
+    def _plan_stash(self, all_rows: tuple[SeqRows, ...]) -> None:
+        """Where this forward's frozen rows go in the stash: (lane, first row, rows) each."""
+        if self.states is None:
+            return
+        runs, row = [], 0
+        for rows in all_rows:
+            if rows.draft_ids:
+                runs.append((rows.lane, row, len(rows.token_ids)))
+            row += len(rows.token_ids)
+        self.states.plan_stash(runs)
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Run the round; if it fails, run each stream alone so one bad request fails alone."""
         self.prepare_lanes(plan)
         self.zero_pages(plan.pages_to_zero)
         self.copy_rows(plan.page_copies)
-        saved = self.save_states(plan.rows)
+        frozen = self.freeze_states(plan.rows)
         self._state_touched = False
         try:
             if plan.steps > 1:
@@ -124,23 +136,21 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - isolate the failing request below
             if len(plan.rows) == 1:
                 return RoundResult({}, {}, {plan.rows[0].request_id: _describe(exc)})
-        return self._isolate(plan, saved)
+        return self._isolate(plan, frozen)
 
-    def _lost_states(self, plan: RoundPlan, saved: tuple[int, ...]) -> dict[int, str]:
-        """After a hybrid forward failed midway: lanes whose state was saved go back to it; the
-        others' state is lost, so those streams fail too (never a silently wrong stream)."""
+    def _lost_states(self, plan: RoundPlan, frozen: tuple[int, ...]) -> dict[int, str]:
+        """After a hybrid forward failed midway: frozen lanes' state is as it was before the
+        round; the others' is lost, so those streams fail too (never a silently wrong stream)."""
         if self.states is None or not self._state_touched:
             return {}
-        if saved:
-            self.states.restore(saved)
         return {r.request_id: "step failed: the batch failed and the stream's recurrent state "
-                "was lost with it" for r in plan.rows if r.lane not in saved}
+                "was lost with it" for r in plan.rows if r.lane not in frozen}
 
-    def _isolate(self, plan: RoundPlan, saved: tuple[int, ...] = ()) -> RoundResult:
+    def _isolate(self, plan: RoundPlan, frozen: tuple[int, ...] = ()) -> RoundResult:
         logits: dict[int, np.ndarray] = {}
         hidden: dict[int, Any] = {}
         tokens: dict[int, list[int]] = {}
-        failed = self._lost_states(plan, saved)
+        failed = self._lost_states(plan, frozen)
         for rows in plan.rows:
             if rows.request_id in failed:
                 continue
@@ -161,6 +171,7 @@ class Runner:
         batch = self._batch(all_rows, tables)
         if self.capture_layers:  # the same index arrays: still the packed buffer's views
             batch = replace(batch, capture_layers=self.capture_layers)
+        self._plan_stash(all_rows)
         self._state_touched = True
         with self._host_checked(batch):
             logits, hidden = self.decoder.forward(batch, self.arena.kv, self.arena.kv_scales,
@@ -178,6 +189,7 @@ class Runner:
         if self.fault_injector is not None:
             for rows in all_rows:
                 self.fault_injector(rows)
+        self._plan_stash(all_rows)  # none: decode steps carry no drafts
         step_rows = [_rows_at_step(all_rows, k) for k in range(steps)]
         batches = [self._batch(rows, tables) for rows in step_rows]
         # Seeded rows: every step's sampler arrays uploaded now, none between the steps.
@@ -276,13 +288,13 @@ class Runner:
         return RoundResult(logits, out_h, {}, tokens)
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes of the arena and of each lane's recurrent state (live + saved copy)."""
+        """Bytes of the arena and of each lane's recurrent state (live + verify stash)."""
         states = self.states
         return {"kv_bytes": int(self.arena.kv.nbytes),
                 "arena_bytes": self.arena.num_bytes + (0 if states is None else states.num_bytes),
                 "recurrent_state_bytes_per_lane": 0 if states is None else states.bytes_per_lane,
-                "recurrent_snapshot_bytes_per_lane":
-                    0 if states is None else states.snapshot_bytes_per_lane,
+                "recurrent_stash_bytes_per_lane":
+                    0 if states is None else states.stash_bytes_per_lane,
                 "prefix_state_bytes":
                     0 if states is None else states.num_prefix_slots * states.bytes_per_lane}
 

@@ -4,9 +4,10 @@ It holds integers and lists only; arrays live in the runner. Out of pages mid-st
 most recently admitted other stream is preempted (lane released, KV recomputed later from
 its prompt + output so far), so the engine never deadlocks and never corrupts a run.
 
-Recurrent models (hybrids): a lane's state is zeroed when it opens (plan.lanes_to_zero);
-a verify round that rejects a draft rolls the lane back (plan.lanes_to_restore, the state
-saved before the round) and the accepted rows are fed again with the next decode rows.
+Recurrent models (hybrids): a lane's state is zeroed when it opens (plan.lanes_to_zero); a
+verify round leaves the verifying lanes' state as it was (frozen), and the next plan commits
+each of them over its accepted rows (plan.state_commits): no copy of a state, no rows fed
+twice.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafters/registry.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
-        self._lanes_to_restore: set[int] = set()  # rolled back since the last plan
+        self._state_commits: list[tuple[int, int]] = []  # (lane, accepted rows) since the last plan
         self.prefix = PrefixPlanner(lanes.runs, cache_identity=cache_identity, recurrent=recurrent)
 
     # ---- inbox --------------------------------------------------------------------------
@@ -79,9 +80,9 @@ class Scheduler:
         tables = {r.lane: tuple(self.runs.pages(r.lane)) for r in rows}
         keep, resume, copies = self.prefix.take_plan_parts()
         plan = RoundPlan(tuple(rows), tables, tuple(pages_to_zero), tuple(self._lanes_to_zero),
-                         tuple(sorted(self._lanes_to_restore)), keep, resume, steps, copies)
+                         tuple(self._state_commits), keep, resume, steps, copies)
         self._lanes_to_zero.clear()
-        self._lanes_to_restore.clear()
+        self._state_commits.clear()
         return plan
 
     def _round_rows(self, pages_to_zero: list[int]) -> list[SeqRows]:
@@ -138,7 +139,7 @@ class Scheduler:
                 return None
             new_pages = self.runs.reserve(lane, seq.num_tokens)
         pages_to_zero.extend(new_pages)
-        # the last token, after any rows to redo (rollback), then the drafts
+        # the last token, then the drafts
         tokens = (*seq.token_slice(seq.num_computed, seq.num_tokens), *drafts)
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, 1 + len(drafts),
                        tuple(drafts), token_choices(seq, 1 + len(drafts)))
@@ -189,8 +190,7 @@ class Scheduler:
                        token_choices(seq, samples))
 
     def _keep_state(self, seq: Sequence) -> None:
-        lane = seq.lane
-        self.prefix.keep_state(seq, rolled_back=lane is not None and lane in self._lanes_to_restore)
+        self.prefix.keep_state(seq)
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return {**self.prefix.cache_stats(), **self.prefix.state_stats()}
@@ -198,7 +198,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Release the lane; the stream recomputes its KV when admitted again (front of queue)."""
         self._release(seq)
-        seq.num_computed = seq.num_redo = 0
+        seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(seq)
@@ -212,7 +212,6 @@ class Scheduler:
                 self.prefix.publish_partial(seq)
                 if not state_past_end:
                     self._keep_state(seq)
-            self._lanes_to_restore.discard(seq.lane)  # the next open zeroes it instead
             released = self.runs.pages(seq.lane)
             self.lanes.release(seq.lane)
             self.prefix.drop_copies_into(released)
@@ -290,9 +289,8 @@ class Scheduler:
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
         # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
         seq.num_computed = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + len(new_ids)
-        seq.num_redo = 0
-        if self.recurrent and len(new_ids) - 1 < len(rows.draft_ids) and not finish:
-            self._roll_back(seq, rows)
+        if self.recurrent and rows.draft_ids:  # the lane's state was frozen for the round
+            self._state_commits.append((rows.lane, seq.num_computed - rows.start_pos))
         if self.drafter is not None:
             self.drafter.absorb(seq, rows, len(new_ids), result.hidden.get(seq.request_id))
         lp = tuple(logprobs) if seq.params.logprobs is not None else None
@@ -301,14 +299,6 @@ class Scheduler:
             # taken the rows after it too, so it is no state of num_computed to keep
             return self.finish(seq, finish, new_ids=new_ids, logprobs=lp, state_past_end=True)
         return TokenEvent(seq.request_id, tuple(new_ids), lp)
-
-    def _roll_back(self, seq: Sequence, rows: SeqRows) -> None:
-        """A draft was rejected: the lane's state goes back to before the round (the runner
-        saved it) and the accepted rows are fed again next round; the KV rows stay."""
-        assert seq.lane is not None
-        seq.num_redo = seq.num_computed - rows.start_pos
-        seq.num_computed = rows.start_pos
-        self._lanes_to_restore.add(seq.lane)
 
     def _sample(self, seq: Sequence, row_logits) -> int:
         x = adjust_logits(row_logits, seq.params, seq.prompt_ids, seq.output_ids, seq.stop_ids)

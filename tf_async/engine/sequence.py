@@ -15,13 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class Sequence:
-    """Owned by the engine thread. KV rows [0, num_computed) of `tokens` are in the run.
-
-    Hybrid models: after a rejected draft the lane's recurrent state is rolled back to
-    `num_computed` and the `num_redo` accepted rows are fed again with the next decode rows:
-
-        | computed | redo (in KV, not in the state) | last token | drafts |
-    """
+    """Owned by the engine thread. KV rows [0, num_computed) of `tokens` are in the run
+    (hybrids: and in the lane's recurrent state once the round's state commits have run)."""
 
     request_id: int
     prompt_ids: list[int]
@@ -37,7 +32,6 @@ class Sequence:
     num_preemptions: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
-    num_redo: int = 0  # rows after num_computed to re-feed after a recurrent-state rollback
     cache_salt: str | None = None  # prefix cache: streams share pages only with equal salts
     page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
     num_published: int = 0  # pages of the current run offered to the prefix cache
@@ -55,7 +49,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending > 1 + self.num_redo
+        return self.num_pending > 1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n_prompt = len(self.prompt_ids)
@@ -107,7 +101,9 @@ class RoundPlan:
     block_tables: dict[int, tuple[int, ...]]  # lane -> its run's page ids
     pages_to_zero: tuple[int, ...]
     lanes_to_zero: tuple[int, ...] = ()  # lanes opened this round: recurrent state zeroed
-    lanes_to_restore: tuple[int, ...] = ()  # lanes rolled back after a rejected draft
+    # hybrids: (lane, rows) lanes that verified drafts last round (their state frozen) advance
+    # over their accepted rows first (HybridDecoder.commit_states), before keeps and zeroes
+    state_commits: tuple[tuple[int, int], ...] = ()
     # hybrids' prefix cache: (lane, slot) copies of a lane's state kept at a page boundary,
     # run first; (slot, lane): a resumed stream's lane starts from a kept state, run last
     states_to_keep: tuple[tuple[int, int], ...] = ()

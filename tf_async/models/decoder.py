@@ -35,6 +35,9 @@ class Decoder:
         """No recurrent state: every layer is attention (DecoderProtocol)."""
         return None
 
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """No recurrent state: nothing to commit (DecoderProtocol)."""
+
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         return self.forward(batch, kv, kv_scales)
 

@@ -93,6 +93,9 @@ class GraphDecoder:
         """Dense models only: a round with recurrent state is never captured."""
         return None
 
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """No recurrent state: nothing to commit (DecoderProtocol)."""
+
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         return self.decoder.forward(batch, kv, kv_scales)
 

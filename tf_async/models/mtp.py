@@ -57,6 +57,9 @@ class MtpHead:
     def states(self) -> None:
         return None  # its only state is the ring of K/V rows the caller passes as `kv`
 
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """No recurrent state: nothing to commit (DecoderProtocol)."""
+
     def forward(self, batch: ForwardBatch, kv: Array, kv_scales: Array | None = None, *,
                 all_hidden: bool = True) -> tuple[Array, Array]:
         """Rows of one stream: batch.token_ids x_{s+1}, positions s (ascending), hidden_in

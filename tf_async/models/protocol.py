@@ -46,6 +46,11 @@ class DecoderProtocol(Protocol):
         batch.capture_layers: those layers' outputs side by side, [rows, len * H])."""
         ...
 
+    def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
+        """Hybrids: advance frozen (draft-verifying) lanes over their accepted rows, (lane,
+        rows) each (RecurrentStates' docstring); nothing for attention-only models."""
+        ...
+
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         """forward() touching no lane's state (fresh zero state for hybrids): calibration."""
         ...

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..backend.base import Array, Ops
-from ..backend.weights import DenseWeight, Linear
+from ..backend.weights import DenseWeight, FusedLinear, Linear
 from .batch_io import ForwardBatch, captured_rows, hidden_rows, packed_of
 from .config import ModelConfig
 from .rope import rope_tables
@@ -111,6 +111,7 @@ class DenseFfnWeights:
     gate: Linear  # SwiGLU [I, H]
     up: Linear  # [I, H]
     down: Linear  # [H, I]
+    gate_up: FusedLinear | None = None  # [gate; up] on the device (HybridDecoder: one launch)
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class MoeFfnWeights:
     shared_up: Linear  # [Is, H]
     shared_down: Linear  # [H, Is]
     shared_expert_gate: Linear  # [1, H]
+    shared_gate_up: FusedLinear | None = None  # [shared_gate; shared_up] (one launch)
 
 
 FfnWeights = DenseFfnWeights | MoeFfnWeights
@@ -198,6 +200,14 @@ _WEIGHT_TYPES = (GatedAttentionWeights, DeltaNetWeights, DenseFfnWeights, MoeFfn
 # per-lane recurrent state
 
 
+class StashPlan(NamedTuple):
+    """Where a forward's frozen rows go in the stash (int64 device arrays, one entry a row)."""
+
+    rows: Array  # the row in the batch
+    lanes: Array  # its lane
+    positions: Array  # its place among the lane's stashed rows
+
+
 @dataclass(frozen=True, slots=True)
 class StateLayout:
     num_gdn_layers: int
@@ -209,17 +219,31 @@ class StateLayout:
     def bytes_per_lane(self) -> int:
         return 4 * self.num_gdn_layers * (math.prod(self.conv_shape) + math.prod(self.delta_shape))
 
+    @property
+    def stash_width(self) -> int:
+        """Floats a verify row stashes a GDN layer: its pre-conv row (C), g and beta (Hv each)."""
+        return self.conv_shape[1] + 2 * self.delta_shape[0]
+
+    @property
+    def stash_bytes_per_row(self) -> int:
+        return 4 * self.num_gdn_layers * self.stash_width
+
 
 class RecurrentStates:
-    """Conv and delta-rule state of every GDN layer for every lane, float32 on the ops' device,
-    plus one saved copy per lane for draft rollback (`snapshot` / `restore`).
+    """Conv and delta-rule state of every GDN layer for every lane, float32 on the ops' device:
 
         conv  [gdn_layers, lanes, K-1, C]      delta [gdn_layers, lanes, Hv, dk, dv]
 
-    Allocated once; `zero(lane)` when a lane opens (a stream starts from zero state)."""
+    Allocated once; `zero(lane)` when a lane opens (a stream starts from zero state).
 
-    def __init__(self, hybrid: HybridConfig, num_lanes: int, xp: Any = np,
-                 with_snapshots: bool = True):
+    Draft verification keeps no copy of a lane's state (docs/QWEN35.md section 5): the lanes
+    that verify drafts are `frozen` for the round (the GDN kernels run their rows from a copy
+    held in the kernel and leave the stored state as it was), and each GDN layer stashes those
+    rows' pre-conv inputs and gates (`stash`: [gdn_layers, lanes, rows, C + 2 Hv], a few rows a
+    lane); once the scheduler knows how many rows were accepted, `HybridDecoder.commit_states`
+    advances the state over exactly those rows from the stash."""
+
+    def __init__(self, hybrid: HybridConfig, num_lanes: int, xp: Any = np):
         if num_lanes < 1:
             raise ValueError(f"RecurrentStates: num_lanes must be >= 1, got {num_lanes}")
         kernel = hybrid.linear_conv_kernel_dim
@@ -230,8 +254,12 @@ class RecurrentStates:
         self.xp = xp
         self.conv = self._zeros(self.layout.conv_shape)
         self.delta = self._zeros(self.layout.delta_shape)
-        self.saved_conv = self._zeros(self.layout.conv_shape) if with_snapshots else None
-        self.saved_delta = self._zeros(self.layout.delta_shape) if with_snapshots else None
+        self.frozen = xp.zeros(num_lanes, dtype=np.uint8)  # lanes verifying drafts this round
+        self._frozen_lanes: tuple[int, ...] = ()
+        self.stash_width = self.layout.stash_width
+        self.stash_rows = 0  # rows a lane the stash holds (grown to the longest verify run)
+        self.stashed: Array = self._zeros((0, self.stash_width))
+        self.stash_plan: StashPlan | None = None  # this forward's rows to stash
         self.kept_conv: Array | None = None  # prefix-cache slots (add_prefix_slots)
         self.kept_delta: Array | None = None
 
@@ -249,13 +277,14 @@ class RecurrentStates:
         return self.layout.bytes_per_lane
 
     @property
-    def snapshot_bytes_per_lane(self) -> int:
-        return self.layout.bytes_per_lane if self.saved_conv is not None else 0
+    def stash_bytes_per_lane(self) -> int:
+        """The verify stash a lane holds now (rows of its longest verify run so far)."""
+        return self.stash_rows * self.layout.stash_bytes_per_row
 
     @property
     def num_bytes(self) -> int:
-        """Everything allocated: live state and snapshots of every lane."""
-        return self.num_lanes * (self.bytes_per_lane + self.snapshot_bytes_per_lane)
+        """Everything allocated: live state and the verify stash of every lane."""
+        return self.num_lanes * (self.bytes_per_lane + self.stash_bytes_per_lane)
 
     def zero(self, lane: int) -> None:
         """A lane opens: its stream starts from zero conv and delta state."""
@@ -263,17 +292,46 @@ class RecurrentStates:
         self.conv[:, lane] = 0
         self.delta[:, lane] = 0
 
-    def snapshot(self, lanes: list[int] | tuple[int, ...]) -> None:
-        """Save the lanes' state (before a verify pass over drafted rows)."""
-        idx = self._index(lanes)
-        self.saved_conv[:, idx] = self.conv[:, idx]  # type: ignore[index]
-        self.saved_delta[:, idx] = self.delta[:, idx]  # type: ignore[index]
+    def freeze(self, lanes: tuple[int, ...]) -> None:
+        """The lanes whose rows this round verify drafts (all others: not frozen)."""
+        lanes = tuple(sorted(lanes))
+        if lanes == self._frozen_lanes:
+            return
+        self._check_lanes(lanes)
+        flags = np.zeros(self.num_lanes, np.uint8)
+        flags[list(lanes)] = 1
+        self.frozen[...] = self.xp.asarray(flags)
+        self._frozen_lanes = lanes
 
-    def restore(self, lanes: list[int] | tuple[int, ...]) -> None:
-        """Put back the state saved by the last `snapshot` of these lanes."""
-        idx = self._index(lanes)
-        self.conv[:, idx] = self.saved_conv[:, idx]  # type: ignore[index]
-        self.delta[:, idx] = self.saved_delta[:, idx]  # type: ignore[index]
+    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None:
+        """The next forward's frozen rows, (lane, first row in the batch, rows) each: every
+        GDN layer stashes them at [layer, lane, 0..rows). Grows the stash when a run is longer
+        than any before (pending commits have run by then: it holds nothing yet)."""
+        if not runs:
+            self.stash_plan = None
+            return
+        self._check_lanes([lane for lane, _, _ in runs])
+        longest = max(count for _, _, count in runs)
+        if longest > self.stash_rows:
+            self.stash_rows = longest
+            self.stashed = self._zeros((longest, self.stash_width))
+        src = [first + i for _, first, count in runs for i in range(count)]
+        lanes = [lane for lane, _, count in runs for _ in range(count)]
+        pos = [i for _, _, count in runs for i in range(count)]
+        xp = self.xp
+        self.stash_plan = StashPlan(*(xp.asarray(np.asarray(a, np.int64)) for a in (src, lanes, pos)))
+
+    def stash(self, slot: int, qkv: Array, g: Array, beta: Array) -> None:
+        """GDN layer `slot` of a forward: its frozen rows' pre-conv inputs and gates."""
+        plan = self.stash_plan
+        if plan is None:
+            return
+        width = qkv.shape[1]
+        heads = g.shape[1]
+        dst = self.stashed[slot]
+        dst[plan.lanes, plan.positions, :width] = qkv[plan.rows]
+        dst[plan.lanes, plan.positions, width:width + heads] = g[plan.rows]
+        dst[plan.lanes, plan.positions, width + heads:] = beta[plan.rows]
 
     # ---- prefix-cache slots: states kept at page boundaries (engine/prefix.StateSlots) ----
     def add_prefix_slots(self, num_slots: int) -> None:
@@ -304,12 +362,6 @@ class RecurrentStates:
         if not 0 <= slot < self.num_prefix_slots:
             raise ValueError(f"RecurrentStates: prefix slot {slot} outside [0, {self.num_prefix_slots})")
 
-    def _index(self, lanes: list[int] | tuple[int, ...]) -> Array:
-        if self.saved_conv is None:
-            raise ValueError("RecurrentStates: allocated without snapshots (with_snapshots=False)")
-        self._check_lanes(lanes)
-        return self.xp.asarray(np.asarray(list(lanes), dtype=np.int64))
-
     def _check_lanes(self, lanes: list[int] | tuple[int, ...]) -> None:
         bad = [lane for lane in lanes if not 0 <= int(lane) < self.num_lanes]
         if bad:
@@ -329,14 +381,17 @@ class HybridDecoder:
         self.config = self.hybrid.kv_config
         self.ops = ops
         self.weights: HybridWeights = upload_tree(weights, ops, {})
+        mtp = self.weights.mtp
+        for layer in [*self.weights.layers, *([mtp.layer] if mtp is not None else [])]:
+            _fuse_gate_up(layer.ffn, ops)
         inv_freq, self.mscale = rope_tables(self.config, None)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(self.config.head_dim)
         self.states = states
 
-    def new_states(self, num_lanes: int, with_snapshots: bool = True) -> RecurrentStates:
+    def new_states(self, num_lanes: int) -> RecurrentStates:
         """A zeroed store for `num_lanes` lanes on this decoder's device."""
-        return RecurrentStates(self.hybrid, num_lanes, self.ops.xp, with_snapshots)
+        return RecurrentStates(self.hybrid, num_lanes, self.ops.xp)
 
     def attach_states(self, states: RecurrentStates) -> None:
         self.states = states
@@ -357,8 +412,7 @@ class HybridDecoder:
             a = ops.rms_norm(h, layer.input_norm, eps)
             slot = self.hybrid.state_index(index)
             if isinstance(layer.mixer, DeltaNetWeights):
-                h = h + self.deltanet(layer.mixer, a, states.conv[slot], states.delta[slot],
-                                      row_lanes)
+                h = h + self.deltanet(layer.mixer, a, states, slot, row_lanes)
             else:
                 h = h + self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
             h = h + self.ffn(layer.ffn, ops.rms_norm(h, layer.post_norm, eps))
@@ -376,7 +430,7 @@ class HybridDecoder:
         num_seqs = int(batch.block_table.shape[0])
         lanes = self.ops.asarray(np.arange(num_seqs, dtype=np.int32))
         return self.forward(replace(batch, seq_lanes=lanes), kv, kv_scales,
-                            states=self.new_states(num_seqs, with_snapshots=False))
+                            states=self.new_states(num_seqs))
 
     def _row_lanes(self, batch: ForwardBatch, states: RecurrentStates) -> Array:
         """Lane of each row, int32 [rows]: seq_lanes[row_seq[r]], checked against the store."""
@@ -392,22 +446,61 @@ class HybridDecoder:
         return xp.ascontiguousarray(xp.asarray(batch.seq_lanes)[batch.row_seq], dtype=np.int32)
 
     # ---- mixers -----------------------------------------------------------------------
-    def deltanet(self, w: DeltaNetWeights, a: Array, conv_states: Array, delta_states: Array,
+    def deltanet(self, w: DeltaNetWeights, a: Array, states: RecurrentStates, slot: int,
                  row_lanes: Array) -> Array:
-        """One GDN layer over rows of any streams (docs/QWEN35.md section 4).
-        a: [rows, H]; conv_states [lanes, K-1, C], delta_states [lanes, Hv, dk, dv] (updated)."""
+        """One GDN layer (state slot `slot`) over rows of any streams (docs/QWEN35.md section
+        4). a: [rows, H]; the lanes' conv and delta states advance, except frozen lanes'
+        (whose rows are stashed for `commit_states`)."""
         hyb, ops = self.hybrid, self.ops
         rows = a.shape[0]
-        hk, hv = hyb.linear_num_key_heads, hyb.linear_num_value_heads
-        dk, dv = hyb.linear_key_head_dim, hyb.linear_value_head_dim
-        mixed = ops.causal_conv1d(ops.linear(a, w.in_qkv), conv_states, w.conv, row_lanes)
-        q, k = ops.gdn_qk_l2norm(mixed, hk, dk, L2_EPS, dk ** -0.5)
+        hv, dv = hyb.linear_num_value_heads, hyb.linear_value_head_dim
+        qkv = ops.linear(a, w.in_qkv)
         g, beta = ops.gdn_gates(ops.linear(a, w.in_a), ops.linear(a, w.in_b), w.a_log, w.dt_bias)
-        v = mixed[:, 2 * hk * dk:].reshape(rows, hv, dv)
-        o = ops.gated_delta_rule(q, k, v, g, beta, delta_states, row_lanes)
+        states.stash(slot, qkv, g, beta)
+        o = self._delta_rule(w, qkv, g, beta, states, slot, row_lanes, states.frozen)
         z = ops.linear(a, w.in_z).reshape(rows, hv, dv)
         y = ops.gated_rms_norm(o, z, w.norm, self.config.rms_norm_eps)
         return ops.linear(y.reshape(rows, hv * dv), w.out)
+
+    def _delta_rule(self, w: DeltaNetWeights, qkv: Array, g: Array, beta: Array,
+                    states: RecurrentStates, slot: int, row_lanes: Array, frozen: Array) -> Array:
+        """conv (+ SiLU), L2-normed q/k, the delta rule: o [rows, Hv, dv]."""
+        hyb, ops = self.hybrid, self.ops
+        hk, hv = hyb.linear_num_key_heads, hyb.linear_num_value_heads
+        dk, dv = hyb.linear_key_head_dim, hyb.linear_value_head_dim
+        mixed = ops.causal_conv1d(qkv, states.conv[slot], w.conv, row_lanes, frozen)
+        q, k = ops.gdn_qk_l2norm(mixed, hk, dk, L2_EPS, dk ** -0.5)
+        v = mixed[:, 2 * hk * dk:].reshape(qkv.shape[0], hv, dv)
+        return ops.gated_delta_rule(q, k, v, g, beta, states.delta[slot], row_lanes, frozen)
+
+    def commit_states(self, commits: tuple[tuple[int, int], ...],
+                      states: RecurrentStates | None = None) -> None:
+        """Advance frozen lanes over their accepted rows: (lane, rows) each, the first `rows`
+        rows the lane stashed in its last verify forward. The same conv and delta-rule
+        operations on the same inputs as a forward of those rows: the state a plain stream
+        would have after them."""
+        states = states if states is not None else self.states
+        if not commits or states is None:
+            return
+        xp, hyb = self.ops.xp, self.hybrid
+        lanes = [lane for lane, count in commits for _ in range(count)]
+        pos = [i for _, count in commits for i in range(count)]
+        if max(pos, default=-1) >= states.stash_rows:
+            raise ValueError(f"commit_states: {max(pos) + 1} rows > the {states.stash_rows} stashed")
+        lane_ids = xp.asarray(np.asarray(lanes, np.int64))
+        positions = xp.asarray(np.asarray(pos, np.int64))
+        row_lanes = xp.asarray(np.asarray(lanes, np.int32))
+        thawed = xp.zeros(states.num_lanes, dtype=np.uint8)
+        width, heads = hyb.conv_channels, hyb.linear_num_value_heads
+        for index, layer in enumerate(self.weights.layers):
+            if not isinstance(layer.mixer, DeltaNetWeights):
+                continue
+            slot = self.hybrid.state_index(index)
+            rows = states.stashed[slot][lane_ids, positions]  # [n, C + 2 Hv]
+            qkv = xp.ascontiguousarray(rows[:, :width])
+            g = xp.ascontiguousarray(rows[:, width:width + heads])
+            beta = xp.ascontiguousarray(rows[:, width + heads:])
+            self._delta_rule(layer.mixer, qkv, g, beta, states, slot, row_lanes, thawed)
 
     def attention(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
                   kv_layer: int, kv_scales: Array) -> Array:
@@ -427,17 +520,39 @@ class HybridDecoder:
         ops.sigmoid_gate_mul(o, gate)
         return ops.linear(o, w.o)
 
+    def _swiglu(self, x: Array, gate: Linear, up: Linear, gate_up: FusedLinear | None) -> Array:
+        """silu(x @ gate.T) * (x @ up.T): one launch when the two are fused (the same bits)."""
+        ops = self.ops
+        if gate_up is not None:
+            return ops.swiglu_linear(x, gate_up)
+        return ops.silu_mul(ops.linear(x, gate), ops.linear(x, up))
+
     def ffn(self, w: FfnWeights, x: Array) -> Array:
         """Dense SwiGLU, or routed experts (top-k renormalised) + sigmoid-gated shared expert."""
         ops = self.ops
         if isinstance(w, DenseFfnWeights):
-            return ops.linear(ops.silu_mul(ops.linear(x, w.gate), ops.linear(x, w.up)), w.down)
+            return ops.linear(self._swiglu(x, w.gate, w.up, w.gate_up), w.down)
         routed = ops.moe(x, w.router, w.experts_gate, w.experts_up, w.experts_down,
                          self.config.num_experts_per_tok, True)
-        shared = ops.linear(ops.silu_mul(ops.linear(x, w.shared_gate), ops.linear(x, w.shared_up)),
+        shared = ops.linear(self._swiglu(x, w.shared_gate, w.shared_up, w.shared_gate_up),
                             w.shared_down)
         xp = ops.xp  # the [rows, 1] gate broadcast over H, then the kernel's sigmoid multiply
         gate = xp.ascontiguousarray(xp.broadcast_to(ops.linear(x, w.shared_expert_gate),
                                                     shared.shape))
         ops.sigmoid_gate_mul(shared, gate)
         return routed + shared
+
+
+def _fuse_gate_up(ffn: FfnWeights, ops: Ops) -> None:
+    """Concatenate a SwiGLU's gate and up (the shared expert's, for MoE) on the device; the
+    weights keep views of the concatenation, so nothing is held twice. Kinds that cannot be
+    concatenated stay two launches."""
+    if isinstance(ffn, DenseFfnWeights):
+        fused = ops.concat_linears([ffn.gate, ffn.up])
+        if fused is not None:
+            ffn.gate_up, (ffn.gate, ffn.up) = fused[0], fused[1]
+    else:
+        fused = ops.concat_linears([ffn.shared_gate, ffn.shared_up])
+        if fused is not None:
+            ffn.shared_gate_up, (ffn.shared_gate, ffn.shared_up) = fused[0], fused[1]
+

@@ -40,18 +40,19 @@ def _sigmoid(x):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _conv_channel_step(state, c, weight, x_val):
+def _conv_channel_step(state, col, weight, c, x_val):
     """One row of channel c: silu(sum_j w[c, j] * window[j]), then push x_val into the
-    state. window = [state rows (oldest first), x_val]; the sum runs j = 0..K-1."""
+    state, whose column `col` holds channel c. window = [state rows (oldest first), x_val];
+    the sum runs j = 0..K-1."""
     num_hist = state.shape[0]
     acc = np.float32(0.0)
     for j in range(num_hist):
-        acc += weight[c, j] * state[j, c]
+        acc += weight[c, j] * state[j, col]
     acc += weight[c, num_hist] * x_val
     for j in range(num_hist - 1):
-        state[j, c] = state[j + 1, c]
+        state[j, col] = state[j + 1, col]
     if num_hist > 0:
-        state[num_hist - 1, c] = x_val
+        state[num_hist - 1, col] = x_val
     return _silu(acc)
 
 
@@ -59,7 +60,7 @@ def _conv_channel_step(state, c, weight, x_val):
 def causal_conv1d_step(x, conv_state, weight, out):
     """One token of one stream. x, out: [C]; conv_state: [K-1, C] (updated); weight: [C, K]."""
     for c in range(x.shape[0]):
-        out[c] = _conv_channel_step(conv_state, c, weight, x[c])
+        out[c] = _conv_channel_step(conv_state, c, weight, c, x[c])
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -72,21 +73,37 @@ def causal_conv1d_rows(x, conv_state, weight, out):
         c1 = min(num_channels, (blk + 1) * CONV_BLOCK)
         for t in range(num_rows):
             for c in range(blk * CONV_BLOCK, c1):
-                out[t, c] = _conv_channel_step(conv_state, c, weight, x[t, c])
+                out[t, c] = _conv_channel_step(conv_state, c, weight, c, x[t, c])
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def causal_conv1d_batch(x, conv_states, weight, row_seq, out):
+def causal_conv1d_batch(x, conv_states, weight, row_seq, frozen, out):
     """Rows of many streams. x, out: [rows, C]; conv_states: [slots, K-1, C]; row_seq: [rows]
-    int32 state slot of each row. A stream's rows must appear in time order."""
+    int32 state slot of each row; frozen: [slots] uint8. A stream's rows must appear in time
+    order. The rows of a frozen slot (a verify pass, docs/QWEN35.md section 5) run from a
+    copy of its state, and its stored state is left as it was; they must be contiguous."""
     num_rows, num_channels = x.shape
+    num_hist = conv_states.shape[1]
     num_blocks = (num_channels + CONV_BLOCK - 1) // CONV_BLOCK
     for blk in prange(num_blocks):
-        c1 = min(num_channels, (blk + 1) * CONV_BLOCK)
+        c0 = blk * CONV_BLOCK
+        c1 = min(num_channels, c0 + CONV_BLOCK)
+        copy = np.empty((num_hist, CONV_BLOCK), np.float32)  # a frozen slot's history
+        held = -1
         for r in range(num_rows):
-            state = conv_states[row_seq[r]]
-            for c in range(blk * CONV_BLOCK, c1):
-                out[r, c] = _conv_channel_step(state, c, weight, x[r, c])
+            slot = row_seq[r]
+            if frozen[slot]:
+                if slot != held:
+                    for j in range(num_hist):
+                        for c in range(c0, c1):
+                            copy[j, c - c0] = conv_states[slot, j, c]
+                    held = slot
+                for c in range(c0, c1):
+                    out[r, c] = _conv_channel_step(copy, c - c0, weight, c, x[r, c])
+            else:
+                state = conv_states[slot]
+                for c in range(c0, c1):
+                    out[r, c] = _conv_channel_step(state, c, weight, c, x[r, c])
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,11 +159,12 @@ def gdn_qk_l2norm(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _delta_token(s, j0, j1, q, k, v, g, beta, o, acc):
+def _delta_token(s, col0, j0, j1, q, k, v, g, beta, o, acc):
     """One token, one value head, value columns [j0, j1): the exact recurrence
         S <- exp(g) S;  e = v - S^T k;  S <- S + k (beta e)^T;  o = S^T q   (read after write)
-    s: [dk, dv] state; q, k: [dk]; v, o: [dv]; acc: [dv] scratch. Sums over i run
-    i = 0..dk-1 per column, so each column's bits are independent of [j0, j1)."""
+    s: state whose column j - col0 holds value column j ([dk, dv] with col0 = 0, or a
+    block's copy); q, k: [dk]; v, o: [dv]; acc: [dv] scratch. Sums over i run i = 0..dk-1
+    per column, so each column's bits are independent of [j0, j1)."""
     alpha = np.exp(g)
     for j in range(j0, j1):
         acc[j] = np.float32(0.0)
@@ -154,8 +172,8 @@ def _delta_token(s, j0, j1, q, k, v, g, beta, o, acc):
     for i in range(s.shape[0]):
         k_i = k[i]
         for j in range(j0, j1):
-            decayed = s[i, j] * alpha
-            s[i, j] = decayed
+            decayed = s[i, j - col0] * alpha
+            s[i, j - col0] = decayed
             acc[j] += decayed * k_i
     for j in range(j0, j1):
         acc[j] = beta * (v[j] - acc[j])
@@ -163,8 +181,8 @@ def _delta_token(s, j0, j1, q, k, v, g, beta, o, acc):
         k_i = k[i]
         q_i = q[i]
         for j in range(j0, j1):
-            written = s[i, j] + k_i * acc[j]
-            s[i, j] = written
+            written = s[i, j - col0] + k_i * acc[j]
+            s[i, j - col0] = written
             o[j] += written * q_i
 
 
@@ -179,17 +197,19 @@ def gated_delta_rule(q, k, v, g, beta, state, out):
     for t in range(q.shape[0]):
         for h in range(num_v_heads):
             hk = h // group
-            _delta_token(state[h], 0, head_v_dim, q[t, hk], k[t, hk], v[t, h], g[t, h],
+            _delta_token(state[h], 0, 0, head_v_dim, q[t, hk], k[t, hk], v[t, h], g[t, h],
                          beta[t, h], out[t, h], acc)
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out):
+def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, frozen, out):
     """Rows of many streams (a round may mix prompt steps and decode rows). Shapes as in
-    `gated_delta_rule` with states: [slots, Hv, dk, dv] and row_seq: [rows] int32 (state slot
-    of each row; a stream's rows in time order). Parallel over (v-head, dv block); each task
-    runs every row in order, so a row sees exactly the state its stream had before it."""
-    num_v_heads, _, head_v_dim = states.shape[1:]
+    `gated_delta_rule` with states: [slots, Hv, dk, dv], row_seq: [rows] int32 (state slot
+    of each row; a stream's rows in time order) and frozen: [slots] uint8 (as in
+    `causal_conv1d_batch`: a frozen slot's rows, contiguous, run from a copy of its state,
+    which stays as it was). Parallel over (v-head, dv block); each task runs every row in
+    order, so a row sees exactly the state its stream had before it."""
+    num_v_heads, head_k_dim, head_v_dim = states.shape[1:]
     group = num_v_heads // q.shape[1]
     num_blocks = (head_v_dim + DV_BLOCK - 1) // DV_BLOCK
     for task in prange(num_v_heads * num_blocks):
@@ -198,9 +218,21 @@ def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, out):
         j1 = min(head_v_dim, j0 + DV_BLOCK)
         hk = h // group
         acc = np.empty(head_v_dim, np.float32)
+        copy = np.empty((head_k_dim, DV_BLOCK), np.float32)  # a frozen slot's columns
+        held = -1
         for r in range(q.shape[0]):
-            _delta_token(states[row_seq[r], h], j0, j1, q[r, hk], k[r, hk], v[r, h], g[r, h],
-                         beta[r, h], out[r, h], acc)
+            slot = row_seq[r]
+            if frozen[slot]:
+                if slot != held:
+                    for i in range(head_k_dim):
+                        for j in range(j0, j1):
+                            copy[i, j - j0] = states[slot, h, i, j]
+                    held = slot
+                _delta_token(copy, j0, j0, j1, q[r, hk], k[r, hk], v[r, h], g[r, h],
+                             beta[r, h], out[r, h], acc)
+            else:
+                _delta_token(states[slot, h], 0, j0, j1, q[r, hk], k[r, hk], v[r, h], g[r, h],
+                             beta[r, h], out[r, h], acc)
 
 
 def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out):
@@ -218,7 +250,7 @@ def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out):
     in `gated_delta_rule`, whatever the block size and thread count."""
     # One stream is the batch kernel with a single state slot (state[None] is a view).
     rows = np.zeros(q.shape[0], np.int32)
-    gated_delta_rule_batch(q, k, v, g, beta, state[None], rows, out)
+    gated_delta_rule_batch(q, k, v, g, beta, state[None], rows, np.zeros(1, np.uint8), out)
 
 
 # ---------------------------------------------------------------------------------------

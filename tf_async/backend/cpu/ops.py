@@ -307,9 +307,10 @@ class CpuOps:
 
     # ------------------------------------------------------------------ Gated DeltaNet
     def causal_conv1d(self, x: np.ndarray, conv_states: np.ndarray, weight: np.ndarray,
-                      row_lanes: np.ndarray) -> np.ndarray:
+                      row_lanes: np.ndarray, frozen: np.ndarray) -> np.ndarray:
+        _check_frozen(row_lanes, frozen, conv_states.shape[0])
         out = np.empty(x.shape, np.float32)
-        gdn.causal_conv1d_batch(x, conv_states, weight, row_lanes, out)
+        gdn.causal_conv1d_batch(x, conv_states, weight, row_lanes, frozen, out)
         return out
 
     def gdn_qk_l2norm(self, mixed: np.ndarray, num_k_heads: int, head_k_dim: int, eps: float,
@@ -326,9 +327,11 @@ class CpuOps:
         return g, beta
 
     def gated_delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
-                         beta: np.ndarray, states: np.ndarray, row_lanes: np.ndarray) -> np.ndarray:
+                         beta: np.ndarray, states: np.ndarray, row_lanes: np.ndarray,
+                         frozen: np.ndarray) -> np.ndarray:
+        _check_frozen(row_lanes, frozen, states.shape[0])
         out = np.empty(v.shape, np.float32)
-        gdn.gated_delta_rule_batch(q, k, v, g, beta, states, row_lanes, out)
+        gdn.gated_delta_rule_batch(q, k, v, g, beta, states, row_lanes, frozen, out)
         return out
 
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray,
@@ -347,3 +350,17 @@ class CpuOps:
 
     def sigmoid_gate_mul(self, x: np.ndarray, gate: np.ndarray) -> None:
         gdn.sigmoid_gate_mul(x, gate, x)
+
+
+def _check_frozen(row_lanes: np.ndarray, frozen: np.ndarray, num_lanes: int) -> None:
+    """frozen: [lanes] uint8; the rows of each frozen lane one contiguous run (the kernels
+    carry a frozen lane's state in a copy from its first row to its last)."""
+    check_array(frozen, "gdn frozen", np.uint8, 1)
+    check_shape(frozen, "gdn frozen", (num_lanes,))
+    if not frozen.any() or row_lanes.size == 0:
+        return
+    starts = np.flatnonzero(np.r_[True, row_lanes[1:] != row_lanes[:-1]])
+    runs = row_lanes[starts]
+    held = runs[frozen[runs] != 0]
+    if held.size != np.unique(held).size:
+        raise BadInputError("gdn: a frozen lane's rows must be contiguous in the round")

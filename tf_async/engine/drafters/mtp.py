@@ -237,7 +237,7 @@ def mtp_calibration_ring(head: MtpHead, token_ids: list[int]) -> Array:
                          put(np.asarray([rows - 1], np.int64)), rows, put(np.zeros(1, np.int32)))
     kv = ops.alloc_kv(cfg.num_layers, rows, cfg.num_kv_heads, cfg.head_dim, "f32")
     _, hidden = decoder.forward(batch, kv, put(np.ones((cfg.num_layers, 2), np.float32)),
-                                states=decoder.new_states(1, with_snapshots=False),
+                                states=decoder.new_states(1),
                                 all_hidden=True)
     ring = ops.alloc_kv(1, rows, cfg.num_kv_heads, cfg.head_dim, "f32")
     write_slots(head, token_ids[1:], 0, hidden[:-1], ring, put(np.ones((1, 2), np.float32)))

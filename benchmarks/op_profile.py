@@ -1,0 +1,203 @@
+"""Where a decode round's time goes: every public method of the engine's ops timed on the
+engine thread (outermost calls only, so nested ops count once), beside the round's phases
+(schedule, execute, update) and the round itself, per round, for 1 and 8 streams.
+
+On a GPU each timed op ends with a device synchronize, so its time is its launches plus its
+kernels (the run is slower than an untimed one: read the shares, not the totals); CPU ops
+are timed as they run. The "other" line of execute is what the runner does around the ops
+(packing and uploading the batch, Python between launches).
+
+    python benchmarks/op_profile.py --model default --streams 1 8            # CPU
+    python benchmarks/op_profile.py --model default --device cuda --streams 1 8 32
+    python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 8
+        (27b | 35b-a3b: random MLX 4-bit weights at the real shapes, bench_qwen35_gpu.py's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+ENGINE_THREAD = "tf-async-engine"
+PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update"))
+
+
+class OpTimer:
+    """Times the outermost calls of an ops object's public methods, and chosen phases, on the
+    engine thread while `enabled`."""
+
+    def __init__(self, sync: Callable[[], None] | None):
+        self.sync = sync
+        self.enabled = False
+        self.depth = 0
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+
+    def _timed(self, name: str, fn: Callable[..., Any], *, sync: bool) -> Callable[..., Any]:
+        timer = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if (not timer.enabled or timer.depth
+                    or threading.current_thread().name != ENGINE_THREAD):
+                return fn(*args, **kwargs)
+            timer.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sync and timer.sync is not None:
+                    timer.sync()
+                timer.seconds[name] += time.perf_counter() - start
+                timer.calls[name] += 1
+                timer.depth -= 1
+
+        return timed
+
+    def install_ops(self, ops: Any) -> None:
+        """Wrap every public method of `ops` (a subclass swapped in: internal calls go through
+        the wrappers too, and only the outermost is timed)."""
+        cls = type(ops)
+        names = [n for n in dir(cls) if not n.startswith("_") and n != "synchronize"
+                 and callable(getattr(cls, n))]
+        wrapped = {}
+        for name in names:
+            method = getattr(cls, name)
+            wrapped[name] = self._method(f"op {name}", method)
+        ops.__class__ = type(f"Timed{cls.__name__}", (cls,), wrapped)
+
+    def _method(self, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        timed = self._timed(label, method, sync=True)
+
+        def bound(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            return timed(obj, *args, **kwargs)
+
+        return bound
+
+    def install_phase(self, owner: Any, name: str) -> None:
+        """Time `owner.name` (an instance attribute shadows the method) at any depth."""
+        method = getattr(owner, name)
+        timer = self
+
+        def phase(*args: Any, **kwargs: Any) -> Any:
+            if not timer.enabled or threading.current_thread().name != ENGINE_THREAD:
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            depth, timer.depth = timer.depth, 0  # ops inside a phase are outermost again
+            try:
+                return method(*args, **kwargs)
+            finally:
+                timer.depth = depth
+                timer.seconds[f"phase {name}"] += time.perf_counter() - start
+                timer.calls[f"phase {name}"] += 1
+
+        setattr(owner, name, phase)
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        self.seconds.clear()
+        self.calls.clear()
+        self.enabled = True
+        try:
+            yield
+        finally:
+            self.enabled = False
+
+
+def table(timer: OpTimer, rounds: int, wall_s: float, label: str) -> list[str]:
+    """Per round: ms and calls of each phase and op, the ops' sum inside execute and the rest."""
+    per = max(rounds, 1)
+    lines = [f"{label}: {rounds} rounds, {1e3 * wall_s / per:.2f} ms a round (wall)",
+             f"{'what':<34} {'ms/round':>9} {'calls/round':>11} {'share':>6}"]
+    total = timer.seconds.get("phase execute", 0.0) + timer.seconds.get("phase schedule", 0.0) \
+        + timer.seconds.get("phase update", 0.0)
+    ops = {k: v for k, v in timer.seconds.items() if k.startswith("op ")}
+    for name in sorted(timer.seconds, key=lambda k: (not k.startswith("phase"), -timer.seconds[k])):
+        ms = 1e3 * timer.seconds[name] / per
+        share = timer.seconds[name] / total if total else float("nan")
+        lines.append(f"{name:<34} {ms:>9.3f} {timer.calls[name] / per:>11.1f} {share:>6.1%}")
+    rest = timer.seconds.get("phase execute", 0.0) - sum(ops.values())
+    lines.append(f"{'execute other (runner, Python)':<34} {1e3 * rest / per:>9.3f} "
+                 f"{'':>11} {rest / total if total else float('nan'):>6.1%}")
+    return lines
+
+
+async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_tokens: int,
+                  ctx: int) -> list[str]:
+    from tf_async import Engine
+
+    rng = np.random.default_rng(streams)
+    prompts = [rng.integers(3, min(ckpt_vocab(ckpt), 30000), prompt_tokens).tolist()
+               for _ in range(streams)]
+    async with Engine(ckpt, device=device, parallel=streams, ctx=ctx, page_size=16,
+                      step_tokens=max(512, streams * prompt_tokens)) as eng:
+        parts = eng.parts
+        assert parts is not None
+        sync = parts.ops.synchronize if device != "cpu" else None
+        timer = OpTimer(sync)
+        timer.install_ops(parts.ops)
+        for owner_name, method in PHASES:
+            timer.install_phase(getattr(parts, owner_name), method)
+        await eng.complete(prompts[0], max_tokens=4, ignore_eos=True)  # compile, capture
+        first: list[float] = []
+
+        async def one(i: int) -> None:
+            async for _ in eng.stream(prompts[i], max_tokens=max_tokens, ignore_eos=True):
+                if len(first) <= i:
+                    first.append(time.perf_counter())
+
+        # the prompts first (untimed), then a window of decode rounds
+        await asyncio.gather(*(eng.complete(p, max_tokens=1) for p in prompts))
+        rounds0 = int(eng.stats()["rounds"])
+        with timer.window():
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(streams)))
+            wall = time.perf_counter() - start
+        rounds = int(eng.stats()["rounds"]) - rounds0
+    return table(timer, rounds, wall, f"{streams} stream(s), {max_tokens} tokens each")
+
+
+def ckpt_vocab(ckpt: Any) -> int:
+    if isinstance(ckpt, str):
+        return 30000
+    return int(ckpt.config.vocab_size)
+
+
+def load(model: str, device: str) -> Any:
+    if model == "default":
+        from tf_async.models.default import default_model_path
+
+        return default_model_path()
+    import cupy as cp
+
+    from benchmarks.bench_qwen35_gpu import random_checkpoint
+
+    return random_checkpoint(cp if device != "cpu" else np, model)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="default | 27b | 35b-a3b")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--ctx", type=int, default=1024)
+    args = p.parse_args()
+    ckpt = load(args.model, args.device)
+    for streams in args.streams:
+        lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,
+                                    args.prompt_tokens, args.ctx))
+        print(f"\n{args.model} on {args.device}")
+        print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
