@@ -37,6 +37,10 @@ class FakeReplica:
             return web.Response(status=500, body=OOM, content_type="application/json")
         if self.mode == "ok":
             return web.json_response({"ok": True})
+        if self.mode == "drop":  # dies after reading the request, before any answer
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b'data: {"n": 1}\n\n')
@@ -125,3 +129,12 @@ async def test_cross_site_websocket_upgrade_is_refused() -> None:
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
             await http.ws_connect(url + "/v1/chat/ws", headers={"Origin": "https://evil.example"})
         assert refused.value.status == 403
+
+
+async def test_replica_lost_before_answering_is_a_502_openai_error() -> None:
+    async with front_over(FakeReplica("drop")) as (url, replicas), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json={"prompt": "a"}) as resp:
+            assert resp.status == 502
+            error = (await resp.json())["error"]
+        assert error["code"] == "replica_failed" and error["type"] == "server_error"
+        assert replicas.num_lost_streams == [1]

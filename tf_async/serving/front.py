@@ -87,6 +87,9 @@ class Front:
                 return await self._forward(request, body, index, keys)
             except (aiohttp.ClientConnectorError, _ReplicaGone):
                 self.replicas.connect_failed(index)
+            except aiohttp.ClientError:  # connected, then lost before any answer
+                self.replicas.num_lost_streams[index] += 1
+                return lost_response(index)
         self.replicas.num_no_replica += 1
         return no_replica_response()
 
@@ -243,6 +246,11 @@ async def front_errors(request: web.Request, handler: Any) -> web.StreamResponse
         if exc.status < 400:
             raise
         return error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client left
+    except Exception:
+        log.exception("front fault on %s %s", request.method, request.path)
+        return error_response(500, "internal server error (logged)", code="internal_error")
 
 
 FRONT_KEY = web.AppKey("tf_async_front", Front)
