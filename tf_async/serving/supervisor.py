@@ -23,8 +23,9 @@ import aiohttp
 
 log = logging.getLogger("tf_async.serving")
 
-# What a child runs (tests replace it with a throttled copy, as test_serve_shutdown does).
-CHILD_CODE = "import sys; from tf_async.cli import main; sys.exit(main(sys.argv[1:]))"
+# What a child runs (tests prefix it with a throttle, as test_serve_shutdown does).
+CHILD_CODE = ("import sys; from tf_async.serving.supervisor import child_main; "
+              "sys.exit(child_main(sys.argv[1:]))")
 SERVING_LINE = "tf-async: serving "
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # restart delays after consecutive failures
 HEALTH_TIMEOUT_S = 60.0
@@ -47,10 +48,14 @@ def replica_env(index: int, num_replicas: int, device: str, num_cores: int) -> t
     return tuple(env)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the front goes away (Linux only)."""
+def child_main(argv: list[str]) -> int:
+    """A replica: `tf-async serve ...` that gets SIGTERM when the front goes away (Linux
+    PR_SET_PDEATHSIG; set here rather than in a preexec_fn, which is not thread-safe)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    from ..cli import main
+
+    return main(argv)
 
 
 class ReplicaProcess:
@@ -94,7 +99,7 @@ class ReplicaProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", CHILD_CODE, "serve", *self.spec.flags, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=_die_with_parent, start_new_session=True)
+            start_new_session=True)
         ready = False
         try:
             ready = await self._follow_output(self.proc)
