@@ -250,8 +250,8 @@ async def test_sse_disconnect_through_the_front_frees_the_lane(front: FrontProce
     async with aiohttp.ClientSession() as http:
         streams = [await open_stream(http, front.url, f"leave me {i}") for i in range(2)]
         assert {s.headers["X-TF-Replica"] for s in streams} == {"0", "1"}
-        answer = await lanes(http, front.url)
-        assert all(r["stats"]["lanes_in_use"] == 1 for r in answer["replicas"])
+        await wait_state(http, front.url,  # the engines publish stats once a round
+                         lambda r: all(x["stats"]["lanes_in_use"] == 1 for x in r))
         for stream in streams:
             stream.close()  # the client leaves mid-stream
         await wait_no_lanes(http, front.url)
@@ -269,8 +269,8 @@ async def test_websocket_cancel_and_disconnect_through_the_front(front: FrontPro
                 msg = await ws.receive_json()
                 assert msg["type"] == "delta", msg
                 seen.add(msg["id"])
-            answer = await lanes(http, front.url)
-            assert all(r["stats"]["lanes_in_use"] == 1 for r in answer["replicas"])
+            await wait_state(http, front.url,
+                             lambda r: all(x["stats"]["lanes_in_use"] == 1 for x in r))
             await ws.send_json({"type": "cancel", "id": 1})
             while (msg := await ws.receive_json())["type"] == "delta":
                 pass
@@ -292,6 +292,8 @@ async def test_killed_replica_errors_its_streams_restarts_and_rejoins(front: Fro
             await ws.send_json({"type": "chat", "id": "w", "max_tokens": 900, "ignore_eos": True,
                                 "messages": [{"role": "user", "content": "ws victim"}]})
             assert (await ws.receive_json())["type"] == "delta"
+            await wait_state(http, front.url,
+                             lambda r: any(x["stats"]["lanes_in_use"] == 2 for x in r))
             state = await lanes(http, front.url)
             (victim,) = [r for r in state["replicas"] if r["stats"]["lanes_in_use"] == 2]
             dead, alive = str(victim["replica"]), str(1 - victim["replica"])

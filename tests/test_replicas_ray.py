@@ -78,19 +78,25 @@ async def _requests(url: str) -> None:
         resp = await http.post(url + "/v1/chat/completions",
                                json=_chat("Long", max_tokens=900, ignore_eos=True, stream=True))
         assert (await resp.content.readline()).startswith(b"data: ")
-        async with http.get(url + "/v1/lanes") as lanes:
-            assert (await lanes.json())["stats"]["lanes_in_use"] == 1
+        await _until(http, url + "/v1/lanes", lambda a: a["stats"]["lanes_in_use"] == 1)
         resp.close()
-        deadline = time.monotonic() + 60
-        while True:
-            async with http.get(url + "/v1/lanes") as lanes:
-                if (await lanes.json())["stats"]["lanes_in_use"] == 0:
-                    break
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
-        async with http.get(url + "/metrics") as resp:
-            text = await resp.text()
-        assert metric_value(text, "tf_requests_total", 'endpoint="chat",outcome="cancelled"') == 1
+        await _until(http, url + "/v1/lanes", lambda a: a["stats"]["lanes_in_use"] == 0)
+        cancelled = 'endpoint="chat",outcome="cancelled"'
+        await _until(http, url + "/metrics",
+                     lambda text: metric_value(text, "tf_requests_total", cancelled) == 1)
+
+
+async def _until(http: aiohttp.ClientSession, url: str, condition: Any) -> None:
+    """Poll `url` until `condition(answer)` holds (the engines publish stats once a round)."""
+    deadline = time.monotonic() + 60
+    while True:
+        async with http.get(url) as resp:
+            is_json = resp.content_type == "application/json"
+            answer = await resp.json() if is_json else await resp.text()
+        if condition(answer):
+            return
+        assert time.monotonic() < deadline, answer
+        await asyncio.sleep(0.02)
 
 
 def test_ray_serve_app_routes_over_two_replicas(ray_url: str) -> None:

@@ -141,13 +141,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM, then drain (see `_shutdown`)."""
     check_port_free(args.host, args.port)  # before the model loads, which can take minutes
-    if args.replicas < 1:
+    if args.replicas != 1:  # tf_async/cli.py sends --replicas N > 1 to serving/cli.py
         raise BadInputError(f"--replicas must be at least 1, not {args.replicas}")
-    if args.replicas > 1:
-        from ..serving.cli import run_replicas  # the front: a layer above this one
-
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-        return run_replicas(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         asyncio.run(_serve(args))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 
 from ..server.app import start_server
-from ..server.cli import StopSignals, serve_parser
+from ..server.cli import StopSignals, check_port_free, serve_parser
 from .fleet import ReplicaSet, ReplicaSetError
 from .front import create_front_app
 from .policy import RoutingPolicy
@@ -52,6 +53,9 @@ def replica_specs(args: argparse.Namespace) -> list[ReplicaSpec]:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM, then stop every replica (each drains its streams)."""
+    check_port_free(args.host, args.port)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return asyncio.run(_serve_replicas(args))
     except KeyboardInterrupt:

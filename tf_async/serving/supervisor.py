@@ -24,8 +24,8 @@ import aiohttp
 log = logging.getLogger("tf_async.serving")
 
 # What a child runs (tests prefix it with a throttle, as test_serve_shutdown does).
-CHILD_CODE = ("import sys; from tf_async.serving.supervisor import child_main; "
-              "sys.exit(child_main(sys.argv[1:]))")
+CHILD_CODE = ("import sys; from tf_async.serving.supervisor import die_with_front; "
+              "die_with_front(); from tf_async.cli import main; sys.exit(main(sys.argv[1:]))")
 SERVING_LINE = "tf-async: serving "
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # restart delays after consecutive failures
 HEALTH_TIMEOUT_S = 60.0
@@ -48,14 +48,11 @@ def replica_env(index: int, num_replicas: int, device: str, num_cores: int) -> t
     return tuple(env)
 
 
-def child_main(argv: list[str]) -> int:
-    """A replica: `tf-async serve ...` that gets SIGTERM when the front goes away (Linux
+def die_with_front() -> None:
+    """Called first in a replica: SIGTERM when the front goes away (Linux
     PR_SET_PDEATHSIG; set here rather than in a preexec_fn, which is not thread-safe)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    from ..cli import main
-
-    return main(argv)
 
 
 class ReplicaProcess:
