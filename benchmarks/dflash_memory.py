@@ -30,12 +30,25 @@ def lines(parallel: int, ctx: int) -> list[str]:
             f"{mib(area.num_bytes)}; arena drafter region {mib(parallel * align_up(area.num_bytes))}"]
 
 
+def kept_rows_line(page_size: int) -> str:
+    """With a prefix cache: the drafter's ctx rows kept beside every page of the pool
+    (engine/drafters/dflash_pages.py, f32, H a position), against the target's bf16 KV."""
+    t = TARGET_27B
+    row = t["hidden_size"] * 4
+    kv_row = t["kv_layers"] * 2 * t["num_kv_heads"] * t["head_dim"] * 2
+    return (f"prefix cache, pages of {page_size}: kept ctx rows {page_size * row // 1024} KiB a "
+            f"page ({row // 1024} KiB a position; target KV {kv_row // 1024} KiB a position: "
+            f"+{100 * row / kv_row:.0f}% of the pool)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
     args = p.parse_args()
     for ctx in (16384, 32768):
         print("\n".join(lines(args.parallel, ctx)))
+    print(kept_rows_line(args.page_size))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,6 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
 
 
 SORTED_EXPERT_ROWS = _qm.TILE_ROWS * _qm.GROUPED_VARIANT.rtiles  # rows a block of sorted_expert_matmul
-expert_tiles = _qm.expert_tiles
 
 
 def quantize(kind, x, xq, xs, stream=None) -> None:
@@ -101,7 +100,7 @@ def quantize(kind, x, xq, xs, stream=None) -> None:
 def sorted_expert_matmul(kind, xq, xs, w, scales, biases, group_size, tiles, out, stream=None) -> None:
     """out [n, out_f] = the rows of int8 x (xq [n, K] int8, xs [n, 2K/32] f32: quantize_rows'
     output), sorted by expert, each times its expert's weight [E, out_f, words], on the tensor
-    cores: tiles [blocks, 3] int32 from qmma.expert_tiles(.., rows_per_block=16). Every row gets
+    cores: tiles [blocks, 3] int32 from expert_tiles(.., rows_per_block=16). Every row gets
     the bits of matmul(.., grouped=True) on the same row (cuda_kernels/qmma.py)."""
     if not uses_int8_x(kind, w, group_size):
         raise ValueError(f"sorted_expert_matmul: {kind} weights that take int8 x only")

@@ -33,7 +33,7 @@ before their math. None of it changes a bit.
 
 Expert-grouped rows (MoE, `grouped=True`): the rows come sorted by expert and a table gives
 each block (expert, first row, end row), a run of at most 8 * rtiles rows of one expert
-(`expert_tiles`); the block multiplies them by that expert's weights. Each row is still
+(cuda_kernels/expert_tiles.py); the block multiplies them by that expert's weights. Each row is still
 computed as above, so it gets qdot's bits whichever block, expert run or row count.
 """
 
@@ -365,7 +365,7 @@ def qmma_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: str
                 grouped: bool = False):
     """The kernel for affine `kind` ('q4', 'q8'), `variant`, group_chunks chunks of 32 a scale
     group, and epilogue ('store', 'add', 'swiglu'); grouped: rows sorted by expert, with a
-    table of row blocks (`expert_tiles`)."""
+    table of row blocks (cuda_kernels/expert_tiles.py)."""
     if kind not in qd.WORDS_PER_CHUNK or group_chunks < 1:
         raise ValueError(f"qmma: kind {kind!r}, {group_chunks} chunks a group")
     if epilogue not in mm.EPILOGUES:
@@ -405,29 +405,3 @@ def launch_shape(rows: int, out_features: int, variant: MmaVariant, epilogue: st
 
 
 GROUPED_VARIANT = MmaVariant(2, 2, 2)  # 16 rows a block: an expert's run of slots is short
-
-
-def expert_tiles(xp, expert_ids, num_experts: int, rows_per_block: int):
-    """Rows of a grouped launch sorted by expert, and its row blocks, computed with array
-    module `xp` (NumPy or CuPy: no host round trip). expert_ids: [n] int32, the expert of each
-    row. -> (order [n] int64: sorted row i is row order[i]; tiles [blocks, 3] int32: expert,
-    first and end sorted row of each block, blocks = n // rows_per_block + num_experts (an
-    upper bound known without looking at the ids; blocks past the last run are empty)).
-    Any order inside an expert's run gives the same bits (each row is computed alone)."""
-    ids = expert_ids.astype(xp.int64)
-    order = xp.argsort(ids)
-    experts = xp.arange(num_experts, dtype=xp.int64)  # (searchsorted, not CuPy's bincount,
-    starts = xp.searchsorted(ids[order], experts, side="left")  # which syncs for max(ids))
-    counts = xp.searchsorted(ids[order], experts, side="right") - starts
-    runs = (counts + rows_per_block - 1) // rows_per_block
-    run_end = xp.cumsum(runs)
-    blocks = expert_ids.shape[0] // rows_per_block + num_experts
-    block = xp.arange(blocks, dtype=xp.int64)
-    expert = xp.searchsorted(run_end, block, side="right")
-    valid = expert < num_experts
-    e = xp.minimum(expert, num_experts - 1)
-    first = starts[e] + (block - (run_end[e] - runs[e])) * rows_per_block
-    end = xp.minimum(first + rows_per_block, starts[e] + counts[e])
-    tiles = xp.stack([e, xp.where(valid, first, 0), xp.where(valid, end, 0)], axis=1)
-    return order, tiles.astype(xp.int32)
-

@@ -315,9 +315,10 @@ def check_grouped_matmul(rng: np.random.Generator) -> None:
 
 def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
     """MoE rows sorted by expert on the tensor cores (launch.sorted_expert_matmul, the blocks
-    of qmma.expert_tiles) give every row the bits of the grouped few-rows launch: runs longer
+    of expert_tiles) give every row the bits of the grouped few-rows launch: runs longer
     than a block, a partial feature block, an expert with no rows, chunks some warps lack."""
-    from cuda_kernels import launch, qmma
+    from cuda_kernels import launch
+    from cuda_kernels.expert_tiles import expert_tiles
 
     for kind, bits, in_f, gs, out_f, ids in (
         ("q4", 4, 352, 32, 19, [0] * 20 + [3] * 5 + [1] * 12),
@@ -330,7 +331,7 @@ def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
         want = np.full((x.shape[0], out_f), np.nan, np.float32)
         launch.matmul(kind, x, codes, scales, biases, gs, expert_ids, want, grouped=True)
         xq, xs = launch._quantize(kind, x, None, None, None)
-        order, tiles = qmma.expert_tiles(np, expert_ids, experts, 16)
+        order, tiles = expert_tiles(np, expert_ids, experts, 16)
         assert tiles.shape == (x.shape[0] // 16 + experts, 3)
         runs = tiles[tiles[:, 1] < tiles[:, 2]]
         assert (runs[:, 2] - runs[:, 1]).max() <= 16 and (expert_ids[order][runs[:, 1]] == runs[:, 0]).all()
@@ -791,6 +792,100 @@ def _check_cpu_attention_and_route(rng: np.random.Generator) -> None:
     assert np.array_equal(ids_dev, ids_host) and rel_err(w_dev, w_host) < 1e-6
 
 
+def dflash_conv_ref(x, taps, base, group_size):
+    """float64 grouped dynamic causal convolution (docs/DFLASH.md)."""
+    rows, hidden = x.shape
+    out = np.zeros((rows, hidden))
+    for t in range(rows):
+        for o in range(base.shape[0]):
+            if t >= o:
+                tap = np.repeat(taps[t, o].astype(np.float64), group_size)
+                out[t] += (base[o].astype(np.float64) + tap) * x[t - o]
+    return out
+
+
+def dflash_attention_ref(q, keys, values, visible, sm_scale):
+    rows, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    out = np.zeros(q.shape)
+    for b in range(rows):
+        seen = np.flatnonzero(visible[b])
+        for h in range(num_heads):
+            s = keys[seen, h // group].astype(np.float64) @ q[b, h].astype(np.float64) * sm_scale
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ values[seen, h // group].astype(np.float64)
+    return out
+
+
+def dflash_chain_ref(cand_ids, cand_values, projected, predecessor, successor, anchor):
+    path, prev = [], anchor
+    for t in range(cand_ids.shape[0]):
+        pair = successor[cand_ids[t]].astype(np.float64) @ (
+            predecessor[prev].astype(np.float64) * projected[t].astype(np.float64))
+        prev = int(cand_ids[t][int(np.argmax(cand_values[t] + pair))])
+        path.append(prev)
+    return np.asarray(path, np.int64)
+
+
+def check_dflash(rng: np.random.Generator) -> None:
+    """The DFlash kernels (cuda_kernels/dflash.py) against float64 references and their CPU
+    twins (tf_async/backend/cpu/dflash.py): the grouped convolution (kernel 2, groups of 4),
+    block attention with a sliding mask and GQA, the top-k (ties: lower id) and the chain."""
+    from cuda_kernels import dflash as dev
+    from tf_async.backend.cpu import dflash as cpu
+
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    taps = rng.standard_normal((5, 2, 4)).astype(np.float32)
+    base = rng.standard_normal((2, 16)).astype(np.float32)
+    outs = [np.full_like(x, np.nan) for _ in range(2)]
+    dev.grouped_conv(x, taps, base, 4, outs[0])
+    cpu.grouped_conv(x, taps, base, 4, outs[1])
+    ref = dflash_conv_ref(x, taps, base, 4)
+    assert rel_err(outs[0], ref) < 1e-6 and rel_err(outs[1], ref) < 1e-6
+    _check_dflash_attention(rng, dev, cpu)
+    _check_dflash_selector(rng, dev, cpu)
+
+
+def _check_dflash_attention(rng: np.random.Generator, dev, cpu) -> None:
+    rows, nh, nkv, hd, ring = 3, 4, 2, 8, 6
+    q = rng.standard_normal((rows, nh, hd)).astype(np.float32)
+    keys = rng.standard_normal((ring + rows, nkv, hd)).astype(np.float32)
+    values = rng.standard_normal((ring + rows, nkv, hd)).astype(np.float32)
+    qpos = np.arange(10, 10 + rows)
+    kpos = np.concatenate([np.arange(10 - ring, 10), qpos])
+    diff = qpos[:, None] - kpos[None, :]
+    visible = (np.abs(diff) < 5).astype(np.uint8)  # a window of 5, non-causal in the block
+    outs = [np.full_like(q, np.nan) for _ in range(2)]
+    with _quick_barriers():
+        dev.block_attention(q, keys, values, visible, 0.3, np.zeros((rows, nh, ring + rows), np.float32),
+                            outs[0])
+    cpu.block_attention(q, keys, values, visible, 0.3, outs[1])
+    ref = dflash_attention_ref(q, keys, values, visible, 0.3)
+    assert rel_err(outs[0], ref) < 1e-5 and rel_err(outs[1], ref) < 1e-5
+
+
+def _check_dflash_selector(rng: np.random.Generator, dev, cpu) -> None:
+    rows, vocab, top_k, rank = 3, 300, 5, 8
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[0, [7, 40, 41, 299]] = 9.0  # ties: lower id first
+    logits[1, 5] = -np.inf
+    ids = [np.zeros((rows, top_k), np.int64) for _ in range(2)]
+    vals = [np.zeros((rows, top_k), np.float32) for _ in range(2)]
+    with _quick_barriers():
+        dev.topk_rows(logits, top_k, ids[0], vals[0])
+    cpu.topk_rows(logits, top_k, ids[1], vals[1])
+    assert np.array_equal(ids[0], ids[1]) and np.array_equal(vals[0], vals[1])
+    assert list(ids[0][0, :4]) == [7, 40, 41, 299]
+    projected = rng.standard_normal((rows, rank)).astype(np.float32)
+    books = [rng.standard_normal((vocab, rank)).astype(np.float32) for _ in range(2)]
+    paths = [np.zeros(rows, np.int64) for _ in range(2)]
+    with _quick_barriers():
+        dev.select_chain(ids[0], vals[0], projected, books[0], books[1], 17, paths[0])
+    cpu.select_chain(ids[1], vals[1], projected, books[0], books[1], 17, paths[1])
+    ref = dflash_chain_ref(ids[1], vals[1], projected, books[0], books[1], 17)
+    assert np.array_equal(paths[0], ref) and np.array_equal(paths[1], ref), (paths, ref)
+
+
 CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "matmul": check_matmul,
     "grouped_matmul": check_grouped_matmul,
@@ -806,6 +901,7 @@ CHECKS: dict[str, Callable[[np.random.Generator], None]] = {
     "fused_layer_ops": check_fused_layer_ops,
     "sampling": check_sampling,
     "cpu_twins": check_cpu_twins,
+    "dflash": check_dflash,
 }
 
 

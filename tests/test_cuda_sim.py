@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS = (
     ["matmul", "embed", "kv_write", "e4m3_exhaustive", "zero_pages", "norm_rope_silu", "moe",
      "cpu_twins"],
-    ["attention", "attention_wide_heads", "sampling"],
+    ["attention", "attention_wide_heads", "sampling", "dflash"],
     ["attention_tiled", "fused_layer_ops", "grouped_matmul"],
 )
 DEADLINE_S = 1500

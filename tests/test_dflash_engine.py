@@ -148,9 +148,14 @@ async def test_mismatched_drafter_is_refused_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-async def test_forced_full_acceptance_keeps_the_ring_in_sync(tiny_llama, drafters, plain, mode):
+async def test_forced_full_acceptance_keeps_the_ring_in_sync(tiny_llama, drafters, plain, mode,
+                                                             monkeypatch):
     """Drafts forced to the target's own continuation (the real block forward still runs on
-    the ring): every draft is accepted, several rows a round enter the ring, output == plain."""
+    the ring): every draft is accepted, several rows a round enter the ring, output == plain.
+    (Seeded too through `propose`: sampled drafts are tests/test_dflash_sampled.py's.)"""
+    from tf_async.engine.drafters import dflash as dflash_drafter
+
+    monkeypatch.setattr(dflash_drafter, "samples", lambda seq: False)
     async with make_engine(tiny_llama, parallel=1, drafter=f"dflash:{drafters[2]}",
                            draft_tokens=3) as eng:
         drafter = eng.parts.scheduler.drafter

@@ -17,7 +17,8 @@ from tf_async.server.cli import engine_from_args
     ("parallel", 0), ("ctx", 1), ("kv_dtype", "f16"), ("page_size", 0), ("step_tokens", 0),
     ("draft_tokens", 17), ("decode_steps", True), ("kv_pages", 1), ("draft_ring", 0),
     ("draft_areas", -1), ("ngram_min", 4), ("device", "tpu"), ("parallel", 2.0),
-    ("prefix_state_pages", 0), ("prefix_state_slots", 0), ("prefix_state_pages", 1.5)])
+    ("prefix_state_pages", 0), ("prefix_state_slots", 0), ("prefix_state_pages", 1.5),
+    ("tensor_parallel", 0), ("tensor_parallel", 65)])
 def test_a_bad_option_is_one_error_naming_it(param: str, bad: object) -> None:
     with pytest.raises(BadInputError) as info:
         EngineOptions(**{"ctx": 64, "page_size": 4, param: bad})
@@ -50,3 +51,12 @@ def test_cli_flags_reach_the_engine_options() -> None:
     assert (options.draft_ring, options.draft_areas, options.ngram_min, options.drafter) == (
         32, 2, 1, "ngram")
     assert engine_from_args(_parser().parse_args(["serve"])).options.ngram_min == 2
+
+
+@pytest.mark.parametrize("command", ["serve", "gate", "bench"])
+def test_tensor_parallel_flag(command: str) -> None:
+    assert _parser().parse_args([command]).tensor_parallel == 1
+    args = _parser().parse_args([command, "--tensor-parallel", "2"])
+    assert args.tensor_parallel == 2
+    if command == "serve":
+        assert engine_from_args(args).options.tensor_parallel == 2

@@ -78,3 +78,24 @@ def write_dflash(folder: str | Path, cfg: dict[str, Any], weights: dict[str, np.
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     write_safetensors(folder / "model.safetensors", weights, dtype=dtype)
     return folder
+
+
+def mlx_quantize_dflash(weights: dict[str, np.ndarray], bits: int = 4, group_size: int = 32, *,
+                        codebooks: bool = False) -> dict[str, np.ndarray]:
+    """The MLX affine layout of the public 4-bit DFlash2 drafters: every projection `P.weight`
+    becomes packed uint32 codes `P.weight` + `P.scales` + `P.biases` (norms and conv base
+    kernels stay float); codebooks=True quantizes the selector's codebooks too (as
+    nn.quantize does to Embedding modules), stored under `.weight`."""
+    from tf_async.backend.weights import quantize_affine
+
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        book = name.endswith("_codebook")
+        if not (book and codebooks) and not (name.endswith(("proj.weight", "projection.weight")) or name == "fc.weight"):
+            out[name] = w
+            continue
+        module = name if book else name.removesuffix(".weight")
+        q = quantize_affine(w, bits, group_size)
+        out.update({module + ".weight": q.codes, module + ".scales": q.scales,
+                    module + ".biases": q.biases})
+    return out

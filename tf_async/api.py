@@ -159,7 +159,7 @@ class Engine:
                  cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True,
                  draft_ring: int | None = None, draft_areas: int | None = None,
                  ngram_min: int = 2, prefix_state_pages: int = 16,
-                 prefix_state_slots: int | None = None):
+                 prefix_state_slots: int | None = None, tensor_parallel: int = 1):
         """The keyword arguments are EngineOptions' (engine/options.py), checked here: a bad
         one raises BadInputError naming it. kv_pages and draft_areas default to the
         environment's TF_KV_PAGES and TF_DRAFT_AREAS when set."""
@@ -171,7 +171,7 @@ class Engine:
             draft_ring=draft_ring,
             draft_areas=_env_int("TF_DRAFT_AREAS") if draft_areas is None else draft_areas,
             ngram_min=ngram_min, prefix_state_pages=prefix_state_pages,
-            prefix_state_slots=prefix_state_slots)
+            prefix_state_slots=prefix_state_slots, tensor_parallel=tensor_parallel)
         self.max_queue = max_queue
         self.ctx = ctx
         self.parts: EngineParts | None = None

@@ -155,11 +155,11 @@ def _logprob_rows(logprobs: list[dict[int, float]] | None) -> list[list[list[flo
             for step in logprobs]
 
 
-async def _run_section(ckpt: Checkpoint, settings: BaselineSettings,
-                       section: Section) -> list[dict[str, Any]]:
+async def _run_section(ckpt: Checkpoint, settings: BaselineSettings, section: Section,
+                       tensor_parallel: int = 1) -> list[dict[str, Any]]:
     """Every prompt alone (one lane, one at a time), greedy then seeded."""
     options = dict(device=settings.device, kv_dtype=settings.kv_dtype, ctx=settings.ctx,
-                   parallel=1, **section.engine)
+                   parallel=1, tensor_parallel=tensor_parallel, **section.engine)
     out = []
     async with Engine(ckpt, **options) as eng:
         for mode in MODES:
@@ -253,14 +253,15 @@ def check_model(doc: dict[str, Any], ckpt: Checkpoint, path: str | Path) -> None
 
 
 async def check(ckpt: Checkpoint, doc: dict[str, Any], path: str | Path = "baseline", *,
-                tolerance: float | None = None) -> list[SectionResult]:
-    """Run `doc`'s requests on this build and compare every section."""
+                tolerance: float | None = None, tensor_parallel: int = 1) -> list[SectionResult]:
+    """Run `doc`'s requests on this build and compare every section (at `tensor_parallel`
+    ranks: a TP=N run against a baseline recorded at TP=1, log-probs within `tolerance`)."""
     check_model(doc, ckpt, path)
     settings = settings_of(doc)
     allowed = settings.logprob_tolerance if tolerance is None else tolerance
     results = []
     for section in SECTIONS:
-        got = await _run_section(ckpt, settings, section)
+        got = await _run_section(ckpt, settings, section, tensor_parallel)
         want = doc["sections"][section.expected or section.name]["requests"]
         results.append(compare_section(section, want, got, allowed))
     return results

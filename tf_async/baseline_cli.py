@@ -14,6 +14,9 @@ from .errors import BadInputError
 
 
 def _record(args: argparse.Namespace) -> int:
+    if args.tensor_parallel != 1:  # a baseline is the reference: TP runs are checked against it
+        raise BadInputError("--record runs at --tensor-parallel 1; compare a TP run with "
+                            "--against FILE --tensor-parallel N", param="tensor_parallel")
     ckpt = load_model(args.model)
     settings = baseline.BaselineSettings(device=resolve_device(args.device),
                                          kv_dtype=args.kv_dtype, max_tokens=args.max_tokens)
@@ -33,7 +36,8 @@ def _against(args: argparse.Namespace) -> int:
     if why:
         print(f"warning: {why}; log-probs may differ in their last bits", file=sys.stderr)
     ckpt = load_model(args.model)
-    results = asyncio.run(baseline.check(ckpt, doc, args.against, tolerance=args.tolerance))
+    results = asyncio.run(baseline.check(ckpt, doc, args.against, tolerance=args.tolerance,
+                                         tensor_parallel=args.tensor_parallel))
     for result in results:
         print(f"{result.format():<44} {'PASS' if result.ok else 'FAIL'}")
         for mismatch in result.mismatches:

@@ -50,7 +50,8 @@ class BenchRow:
 
 async def run_bench(model: str | None, *, device: str, parallels: list[int], max_tokens: int,
                     kv_dtype: str = "f32", repeats: int = 3, drafter: str | None = None,
-                    cuda_graphs: bool = True, decode_steps: int = 1) -> list[BenchRow]:
+                    cuda_graphs: bool = True, decode_steps: int = 1,
+                    tensor_parallel: int = 1) -> list[BenchRow]:
     from .engine.build import load_model
 
     ckpt = await asyncio.to_thread(load_model, model)
@@ -59,7 +60,7 @@ async def run_bench(model: str | None, *, device: str, parallels: list[int], max
     for parallel in parallels:
         async with Engine(ckpt, device=device, parallel=parallel, ctx=1024, kv_dtype=kv_dtype,
                           step_tokens=256, drafter=drafter, cuda_graphs=cuda_graphs,
-                          decode_steps=decode_steps) as eng:
+                          decode_steps=decode_steps, tensor_parallel=tensor_parallel) as eng:
             await eng.complete(PROMPT, max_tokens=4)  # compile / warm up
             runs = [await decode_rate(eng, streams, max_tokens) for _ in range(repeats)]
             prefill = [await prefill_rate(eng, 256) for _ in range(repeats)]
@@ -126,7 +127,8 @@ def main_bench(args: Any) -> int:
     rows = asyncio.run(run_bench(args.model, device=args.device, parallels=args.parallel,
                                  max_tokens=args.max_tokens, kv_dtype=args.kv_dtype,
                                  drafter=args.drafter, cuda_graphs=args.cuda_graphs,
-                                 decode_steps=args.decode_steps))
+                                 decode_steps=args.decode_steps,
+                                 tensor_parallel=args.tensor_parallel))
     print(format_table(rows, args.max_tokens))
     if args.plot is not None:
         write_plot(rows, args.plot, f"tf-async bench ({args.device}, {rows[0].num_streams} "

@@ -68,15 +68,17 @@ async def run_gates(model: str | Checkpoint | None, *, device: str = "auto", kv_
                     max_tokens: int = 16, prompts: tuple[str, ...] = PROMPTS, ctx: int = 512,
                     drafter: str | None = None, draft_tokens: int = 4,
                     drafters: tuple[str, ...] = (), temperature: float = 0.9,
-                    cuda_graphs: bool = True) -> tuple[list[GateRow], dict]:
+                    cuda_graphs: bool = True, tensor_parallel: int = 1,
+                    page_size: int = 16) -> tuple[list[GateRow], dict]:
     """Every gate on `model`; drafted == plain once per drafter (`drafter` and `drafters`);
-    seeded rows sample at `temperature`; cuda_graphs as Engine's (CUDA devices only). Returns
-    (rows, engine stats at the end of each run)."""
+    seeded rows sample at `temperature`; cuda_graphs, tensor_parallel and page_size as
+    Engine's (every engine of the run: the gates hold within a TP size). Returns (rows,
+    engine stats at the end of each run)."""
     from .engine.build import load_model
 
     ckpt = await asyncio.to_thread(load_model, model)
-    run = GateRun(ckpt, dict(device=device, ctx=ctx, kv_dtype=kv_dtype, page_size=16,
-                                   cuda_graphs=cuda_graphs),
+    run = GateRun(ckpt, dict(device=device, ctx=ctx, kv_dtype=kv_dtype, page_size=page_size,
+                             cuda_graphs=cuda_graphs, tensor_parallel=tensor_parallel),
                   list(prompts), max_tokens, temperature)
     specs = ([drafter] if drafter else []) + list(drafters)
     rows: list[GateRow] = []
@@ -181,7 +183,8 @@ def main_gate(args: Any) -> int:
     rows, _ = asyncio.run(run_gates(args.model, device=args.device, kv_dtype=args.kv_dtype,
                                     max_tokens=args.max_tokens, drafter=drafter,
                                     draft_tokens=args.draft_tokens,
-                                    cuda_graphs=args.cuda_graphs))
+                                    cuda_graphs=args.cuda_graphs,
+                                    tensor_parallel=args.tensor_parallel))
     print(format_table(rows))
     print(f"\n{sum(r.ok for r in rows)}/{len(rows)} gates pass ({time.perf_counter() - t0:.1f} s)")
     return 0 if all(r.ok for r in rows) else 1

@@ -567,9 +567,10 @@ class CudaOps:
                         num_experts: int) -> Any:
         """The routed slots sorted by expert, each expert's run on the tensor cores (one
         launch a weight, qdot's bits a row): [rows * top_k, H] in slot order."""
+        from cuda_kernels.expert_tiles import expert_tiles
+
         xp, gate, up, down = self.xp, *ws
-        order, tiles = self._launch.expert_tiles(xp, flat_ids, num_experts,
-                                                 self._launch.SORTED_EXPERT_ROWS)
+        order, tiles = expert_tiles(xp, flat_ids, num_experts, self._launch.SORTED_EXPERT_ROWS)
         tokens = order // top_k  # the x row of each sorted slot
         quantized: dict[str, tuple[Any, Any]] = {}  # x once a byte order, gate and up share it
         h = self.silu_mul(self._sorted_linear(x, tokens, gate, tiles, quantized),

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.tp_decoder import ShardedKV, ShardedRegion
 
 ALIGN_BYTES = 256
 KV_ITEMSIZE = {"f32": 4, "bf16": 2, "fp8": 1}
@@ -131,7 +132,12 @@ def address(array: Any) -> int:
 
 
 def area_views(region: Any, offset: int, layout: AreaLayout) -> AreaViews:
-    """Borrowed ring and state views of the area at `offset` of the region."""
+    """Borrowed ring and state views of the area at `offset` of the region (tensor parallel:
+    of every rank's region, the ring a ShardedKV of each rank's heads, the state rank 0's)."""
+    if isinstance(region, ShardedRegion):
+        views = [area_views(part, offset, layout) for part in region.ranks]
+        return AreaViews(ShardedKV(tuple(v.ring for v in views), region.comm), views[0].state,
+                         borrowed=True)
     ring_bytes = region[offset: offset + layout.ring_bytes]
     ring = ring_bytes.view(KV_NP_DTYPE[layout.kv_dtype]).reshape(layout.ring_shape)
     start = offset + layout.state_offset

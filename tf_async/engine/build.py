@@ -10,12 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend.base import Array, Ops, graph_ops
-from ..backend.select import make_ops
+from ..backend.comm import make_group
+from ..backend.select import make_ops, resolve_device
 from ..models.checkpoint import Checkpoint
 from ..models.decoder import Decoder
 from ..models.graph_decoder import GraphDecoder
 from ..models.loader import make_decoder
 from ..models.protocol import DecoderProtocol
+from ..models.qwen35 import HYBRID_ARCHS
+from ..models.tp_decoder import TPDecoder
+from ..models.tp_hybrid import TPHybridDecoder, check_hybrid_tensor_parallel
+from ..models.tp_shard import check_tensor_parallel
 from .calibrate import kv_scales_for
 from .core import EngineCore
 from .drafters.registry import attach_drafter
@@ -63,15 +68,18 @@ def build_engine(options: EngineOptions, publish: Callable[[list[TokenEvent]], N
 
 def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) -> EngineParts:
     ckpt = load_model(options.model)
-    ops = make_ops(options.device)
     num_lanes = options.parallel
-    decoder = make_decoder(ckpt, ops, num_lanes=num_lanes)  # hybrids: one state slot a lane
+    tp = _tensor_parallel(ckpt, options)
+    decoder: DecoderProtocol = (tp if tp is not None else  # hybrids: one state slot a lane
+                                make_decoder(ckpt, make_ops(options.device), num_lanes=num_lanes))
+    split = None if tp is None else tp.group
+    ops = decoder.ops  # tensor parallel: rank 0's (batches, logits and sampling live there)
     recurrent = decoder.states is not None
     runs = _make_runs(options, prefix_cache=_prefix_cache_applies(options))
     kv_scales = kv_scales_for(decoder, ckpt, options.kv_dtype)
     arena = Arena(ops, decoder, num_pages=runs.num_pages_total, page_size=options.page_size,
-                  kv_dtype=options.kv_dtype, kv_scales=kv_scales)
-    lanes = Lanes(num_lanes, runs, drain=ops.synchronize)
+                  kv_dtype=options.kv_dtype, kv_scales=kv_scales, split=split)
+    lanes = Lanes(num_lanes, runs, drain=ops.synchronize if split is None else split.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options.step_tokens, ctx=options.ctx,
                           recurrent=recurrent, decode_steps=options.decode_steps,
                           cache_identity=kv_identity(ckpt, options.kv_dtype, kv_scales))
@@ -88,6 +96,25 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
     eos = ckpt.config.eos_token_ids or tuple(ckpt.tokenizer.eos_token_ids)
     return EngineParts(ckpt, ops, decoder, arena, lanes, scheduler, runner, core, name,
                        tuple(eos), ckpt.config.vocab_size, num_lanes)
+
+
+def _tensor_parallel(ckpt: Checkpoint, options: EngineOptions,
+                     ) -> TPDecoder | TPHybridDecoder | None:
+    """The decoder split over options.tensor_parallel ranks (None at 1): fake ranks on the
+    CPU, one GPU a rank on CUDA. Refuses a size that does not divide the model's heads or
+    intermediate columns (checked before any GPU is touched) and more ranks than GPUs."""
+    size = options.tensor_parallel
+    if size == 1:
+        return None
+    hybrid = ckpt.config.arch in HYBRID_ARCHS
+    if hybrid:
+        check_hybrid_tensor_parallel(ckpt, size)
+    else:
+        check_tensor_parallel(ckpt, size)
+    rank_ops, comm = make_group(resolve_device(options.device), size)
+    if hybrid:
+        return TPHybridDecoder(ckpt, rank_ops, comm, options.parallel)
+    return TPDecoder(ckpt, rank_ops, comm)
 
 
 def _make_runs(options: EngineOptions, *, prefix_cache: bool) -> Runs:

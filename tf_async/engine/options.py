@@ -37,6 +37,7 @@ class EngineOptions:
     prefix_cache: bool = True  # share cached prefix pages between streams (needs paging)
     prefix_state_pages: int = 16  # hybrids: keep a recurrent state every N pages (and more)
     prefix_state_slots: int | None = None  # hybrids: kept recurrent states (default: one a lane)
+    tensor_parallel: int = 1  # ranks the weights and KV heads split over (docs/TENSOR_PARALLEL.md)
 
     def __post_init__(self) -> None:
         _need(_is_int(self.parallel) and 1 <= self.parallel <= 1024, "parallel must be in [1, 1024]", "parallel")
@@ -60,6 +61,15 @@ class EngineOptions:
               or (_is_int(self.prefix_state_slots) and self.prefix_state_slots >= 1),
               "prefix_state_slots must be an integer >= 1", "prefix_state_slots")
         _need(_is_int(self.ngram_min) and 1 <= self.ngram_min <= 3, "ngram_min must be in [1, 3]", "ngram_min")
+        _need(_is_int(self.tensor_parallel) and 1 <= self.tensor_parallel <= 64,
+              "tensor_parallel must be in [1, 64]", "tensor_parallel")
+        _need(self.tensor_parallel == 1 or self.drafter in (None, "ngram")
+              or self.drafter.startswith("draft:"),
+              "tensor_parallel > 1 supports the ngram and draft:PATH drafters (the mtp and "
+              "dflash drafters' memory is not split by heads yet)", "drafter")
+        _need(self.tensor_parallel == 1 or self.draft_areas is None or self.draft_areas >= self.parallel,
+              "tensor_parallel > 1 needs a drafter area a lane (draft_areas >= parallel): "
+              "owned fallback rings are not split by heads", "draft_areas")
 
     @property
     def ring_capacity(self) -> int:

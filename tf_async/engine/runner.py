@@ -21,7 +21,8 @@ import numpy as np
 from ..backend.base import Array, DeviceSampler, Ops, device_sampler
 from ..models.batch_io import NO_PAGE, ForwardBatch, check_indices, pack_batch, packed_of
 from ..models.protocol import DecoderProtocol
-from ..models.qwen35 import RecurrentStates
+from ..models.qwen35 import LaneStates
+from ..models.tp_decoder import RankGroup
 from .choice import choice_arrays, choose_on_device, choose_on_host
 from .sequence import RoundPlan, RoundResult, SeqRows, TokenChoice
 
@@ -30,13 +31,17 @@ class Arena:
     """KV memory: kv [layers, 2, num_pages * page_size, nkv, hd] plus per-layer fp8 scales."""
 
     def __init__(self, ops: Ops, decoder: DecoderProtocol, *, num_pages: int, page_size: int,
-                 kv_dtype: str, kv_scales: np.ndarray | None = None):
+                 kv_dtype: str, kv_scales: np.ndarray | None = None,
+                 split: RankGroup | None = None):
         cfg = decoder.config
         self.num_pages = num_pages
         self.page_size = page_size
         self.kv_dtype = kv_dtype
-        self.kv = ops.alloc_kv(cfg.num_layers, num_pages * page_size, cfg.num_kv_heads,
-                               cfg.head_dim, kv_dtype)
+        # Tensor parallel: the KV split by heads over the ranks (a ShardedKV), same page ids.
+        self.split = split
+        self.kv: Array = (ops.alloc_kv(cfg.num_layers, num_pages * page_size, cfg.num_kv_heads,
+                                         cfg.head_dim, kv_dtype) if split is None
+                            else split.alloc_kv(num_pages * page_size, kv_dtype))
         scales = np.ones((cfg.num_layers, 2), np.float32) if kv_scales is None else kv_scales
         self.kv_scales = ops.asarray(scales.astype(np.float32))
         self.drafter_region = None  # uint8 bytes for drafter areas (engine/area.py), or None
@@ -63,7 +68,7 @@ class Runner:
         self.decoder = decoder
         self.ops = decoder.ops
         self.arena = arena
-        self.states: RecurrentStates | None = decoder.states
+        self.states: LaneStates | None = decoder.states
         self.all_hidden = False  # drafters that sync every row (MTP) set it: hidden of all rows
         # with all_hidden: these target layers' outputs instead of the final-normed rows (DFlash)
         self.capture_layers: tuple[int, ...] = ()
@@ -73,19 +78,32 @@ class Runner:
         # Ops that choose tokens where the logits are (CUDA): rows with `choices` send only
         # token ids to the host. None (CPU): every logit row goes to the host sampler.
         self.sampler: DeviceSampler | None = device_sampler(self.ops)
+        # a drafter that keeps rows beside the pages copies them with the KV (DFlash)
+        self.on_page_copies: Callable[[tuple[tuple[int, int, int], ...]], None] | None = None
 
     def zero_pages(self, page_ids: list[int] | tuple[int, ...]) -> None:
-        if page_ids:
-            ids = self.ops.asarray(np.asarray(page_ids, dtype=np.int32))
-            self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
+        if not page_ids:
+            return
+        split = self.arena.split
+        if split is not None:  # every rank's heads of those pages
+            split.zero_pages(self.arena.kv, np.asarray(page_ids, dtype=np.int32), self.arena.page_size)
+            return
+        ids = self.ops.asarray(np.asarray(page_ids, dtype=np.int32))
+        self.ops.zero_pages(self.arena.kv, ids, self.arena.page_size)
 
     def copy_rows(self, copies: tuple[tuple[int, int, int], ...]) -> None:
         """Rows [0, rows) of page `source` into page `page`, every layer (prefix cache: the
         partial last page of a shared prefix). Bytes as stored: same KV dtype and scales."""
-        size, kv = self.arena.page_size, self.arena.kv
+        size, kv, split = self.arena.page_size, self.arena.kv, self.arena.split
         for source, page, num_rows in copies:
-            kv[:, :, page * size: page * size + num_rows] = \
-                kv[:, :, source * size: source * size + num_rows]
+            target_rows = slice(page * size, page * size + num_rows)
+            source_rows = slice(source * size, source * size + num_rows)
+            if split is not None:
+                split.copy_rows(kv, source_rows, target_rows)
+            else:
+                kv[:, :, target_rows] = kv[:, :, source_rows]
+        if copies and self.on_page_copies is not None:
+            self.on_page_copies(copies)
 
     def prepare_lanes(self, plan: RoundPlan) -> None:
         """Lanes that verified drafts last round advance over their accepted rows first; then

@@ -59,11 +59,38 @@ class Decoder:
                 h = h + self._attention(index, layer, h, batch, kv, kv_scales)
                 h = h + self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
             captured_rows(ops, batch, index, h, captured)
+        return self.head(h, batch, captured, all_hidden=all_hidden)
+
+    def head(self, h: Array, batch: ForwardBatch, captured: dict[int, Array], *,
+             all_hidden: bool = False) -> tuple[Array, Array]:
+        """The final norm and lm_head of the last layer's rows h [rows, H] (forward's result)."""
+        ops, w = self.ops, self.weights
         hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm,
                               self.config.rms_norm_eps)
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
         return ops.linear(logit_hidden, w.lm_head), (hidden_rows(ops, batch, captured, hidden)
                                                      if all_hidden else hidden)
+
+    def attention_term(self, index: int, h: Array, batch: ForwardBatch, kv: Array,
+                       kv_scales: Array) -> Array:
+        """Layer `index`'s attention output [rows, H] that joins the residual h (with a rank's
+        weights: that rank's partial sum, tensor parallel); the layer ops where fused."""
+        layer, fused = self.weights.layers[index], self.fused[index]
+        if fused is None:
+            return self._attention(index, layer, h, batch, kv, kv_scales)
+        o = self._attention_rows(index, layer, fused, h, batch, kv, kv_scales)
+        return self.ops.linear(o, layer.o, layer.o_bias)
+
+    def mlp_term(self, index: int, h: Array) -> Array:
+        """Layer `index`'s MLP output [rows, H] from the residual h (post-attention norm
+        included; with a rank's weights: that rank's partial sum)."""
+        layer, fused = self.weights.layers[index], self.fused[index]
+        ops, eps = self.ops, self.config.rms_norm_eps
+        if fused is None or fused.gate_up is None:
+            return self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, eps))
+        assert layer.down is not None
+        a = ops.rms_norm_for(h, layer.post_norm, eps, fused.gate_up)
+        return ops.linear(ops.swiglu_linear(a, fused.gate_up), layer.down)
 
     def _attention(self, index: int, layer: LayerWeights, h: Array, batch: ForwardBatch,
                    kv: Array, kv_scales: Array) -> Array:
@@ -89,13 +116,8 @@ class Decoder:
         instead of 18 on CUDA (the *_for ops: an output that only a matmul on int8 x reads is
         written as that int8 x by the launch that makes it: the norms and attention), the
         basic ops themselves on the CPU; h is updated in place."""
-        ops, cfg = self.ops, self.config
-        eps = cfg.rms_norm_eps
-        qkv = ops.linear(ops.rms_norm_for(h, layer.input_norm, eps, fused.qkv), fused.qkv, fused.qkv_bias)
-        q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
-                            self.mscale, kv, index, batch.slots, kv_scales, cfg.num_heads)
-        o = ops.attention_for(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
-                              batch.positions, batch.page_size, self.sm_scale, layer.o)
+        ops, eps = self.ops, self.config.rms_norm_eps
+        o = self._attention_rows(index, layer, fused, h, batch, kv, kv_scales)
         if layer.o_bias is None:
             ops.linear_into(o, layer.o, h)
         else:
@@ -106,6 +128,18 @@ class Decoder:
             ops.linear_into(ops.swiglu_linear(a, fused.gate_up), layer.down, h)
         else:
             h += self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, eps))
+
+    def _attention_rows(self, index: int, layer: LayerWeights, fused: FusedLayer, h: Array,
+                        batch: ForwardBatch, kv: Array, kv_scales: Array) -> Array:
+        """The fused layer's attention rows before o (in the form `layer.o` multiplies): q|k|v
+        in one matmul, K/V written, attention over the pages."""
+        ops, cfg = self.ops, self.config
+        eps = cfg.rms_norm_eps
+        qkv = ops.linear(ops.rms_norm_for(h, layer.input_norm, eps, fused.qkv), fused.qkv, fused.qkv_bias)
+        q = ops.attn_inputs(qkv, layer.q_norm, layer.k_norm, eps, batch.positions, self.inv_freq,
+                            self.mscale, kv, index, batch.slots, kv_scales, cfg.num_heads)
+        return ops.attention_for(q, kv, index, kv_scales, batch.block_table, batch.row_seq,
+                                 batch.positions, batch.page_size, self.sm_scale, layer.o)
 
     def _mlp(self, index: int, layer: LayerWeights, a: Array) -> Array:
         ops, cfg = self.ops, self.config

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backend.weights import DenseWeight, Linear
+from ..backend.weights import AffineWeight, DenseWeight, Linear
 from ..errors import BadInputError, ModelFormatError
 from .config import ModelConfig, _rope_from_hf, with_original_names
-from .hf import FLOAT_DTYPES, TensorSource
+from .hf import FLOAT_DTYPES, QuantSpec, TensorSource
 
 DFLASH_ARCHS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}  # architecture -> generation
 
@@ -138,8 +138,9 @@ def load_dflash(path: str | os.PathLike) -> DFlashCheckpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelFormatError(f"{folder}: no config.json in the DFlash drafter folder")
-    config = dflash_config_from_hf(json.loads(config_path.read_text()), source=str(config_path))
-    reader = _Reader(TensorSource.open(folder))
+    raw = json.loads(config_path.read_text())
+    config = dflash_config_from_hf(raw, source=str(config_path))
+    reader = _Reader(TensorSource.open(folder), QuantSpec.from_config(raw, config_path))
     return DFlashCheckpoint(config, reader.weights(config), str(folder))
 
 
@@ -211,28 +212,47 @@ def _parse_config(cfg: dict[str, Any], generation: int) -> DFlashConfig:
 
 
 class _Reader:
-    """Tensors by public name, float only, shapes checked against the config."""
+    """Tensors by public name, shapes checked against the config; MLX-quantized modules (the
+    `quantization` entry, `P.weight` codes + `P.scales` + `P.biases`) as affine weights."""
 
-    def __init__(self, source: TensorSource):
+    def __init__(self, source: TensorSource, quant: QuantSpec):
         self.src = source
+        self.quant = quant
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def tensor(self, name: str, shape: tuple[int, ...], *, dtype: str = "float") -> np.ndarray:
         arr, stored = self.src.get(name)
         file = self.src.file_of(name)
-        if stored not in FLOAT_DTYPES:
-            raise ModelFormatError(f"{file}: tensor {name!r} has dtype {stored}, expected a float "
-                                   "dtype (quantized DFlash drafters are not supported)")
+        if stored not in (FLOAT_DTYPES if dtype == "float" else (dtype,)):
+            what = "a float dtype" if dtype == "float" else f"{dtype} (quantized codes)"
+            raise ModelFormatError(f"{file}: tensor {name!r} has dtype {stored}, expected {what}; "
+                                   "check config.json 'quantization'")
         if tuple(arr.shape) != shape:
             raise ModelFormatError(f"{file}: tensor {name!r} has shape {list(arr.shape)}, "
                                    f"expected {list(shape)} from config.json")
-        return np.ascontiguousarray(arr, dtype=np.float32)
+        return np.ascontiguousarray(arr, dtype=np.float32 if dtype == "float" else arr.dtype)
 
-    def linear(self, module: str, out_f: int, in_f: int) -> DenseWeight:
-        return DenseWeight(self.tensor(module + ".weight", (out_f, in_f)))
+    def linear(self, module: str, out_f: int, in_f: int) -> Linear:
+        params = self.quant.params_for(module, self.src.has(module + ".scales"))
+        if params is None:
+            return DenseWeight(self.tensor(module + ".weight", (out_f, in_f)))
+        bits, group_size = params
+        if in_f % group_size:
+            raise ModelFormatError(f"{self.src.file_of(module + '.weight')}: {module!r}: "
+                                   f"in-features {in_f} not a multiple of group_size {group_size}")
+        groups = (out_f, in_f // group_size)
+        return AffineWeight(self.tensor(module + ".weight", (out_f, in_f * bits // 32), dtype="U32"),
+                            self.tensor(module + ".scales", groups),
+                            self.tensor(module + ".biases", groups), bits, group_size)
 
     def codebook(self, name: str, shape: tuple[int, int]) -> np.ndarray:
-        """Stored without '.weight' in the public checkpoints; accept both."""
-        return self.tensor(name if self.src.has(name) else name + ".weight", shape)
+        """Stored without '.weight' in the public checkpoints; accept both, and an MLX-quantized
+        one (an Embedding under nn.quantize), dequantized: the selector gathers rows on the host."""
+        if self.src.has(name):
+            return self.tensor(name, shape)
+        if not self.src.has(name + ".scales"):
+            return self.tensor(name + ".weight", shape)
+        weight = self.linear(name, *shape)
+        return weight.dequantize() if isinstance(weight, AffineWeight) else weight.w
 
     def conv(self, prefix: str, cfg: DFlashConfig) -> DynamicConvWeights:
         k, h = cfg.conv_kernel_size, cfg.hidden_size

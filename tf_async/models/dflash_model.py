@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..backend.base import Array, Ops
+from ..backend.dflash_ops import DFlashOps, make_dflash_ops
 from ..backend.weights import Linear
 from .dflash import DFlashCheckpoint, DFlashConfig, DFlashLayerWeights, DynamicConvWeights
 from .rope import rope_tables
@@ -37,8 +38,11 @@ class DFlashModel:
         self.hidden_norm = ops.asarray(w.hidden_norm)
         self.norm = ops.asarray(w.norm)
         self.layers = tuple(_upload_layer(ops, layer) for layer in w.layers)
-        self.selector = w.selector  # host: the chain runs on the host
+        self.kernels: DFlashOps = make_dflash_ops(ops)  # conv, block attention, selector
+        self.selector = w.selector  # host copy: sampled drafts score candidates on the host
         self.hidden_projection = None if w.selector is None else ops.upload_linear(w.selector.hidden_projection)
+        self.codebooks = None if w.selector is None else (
+            ops.asarray(w.selector.predecessor_codebook), ops.asarray(w.selector.successor_codebook))
         inv_freq, self.mscale = rope_tables(self.cfg.rope_config())
         self.inv_freq = ops.asarray(inv_freq)
         self.embed, self.lm_head = embed, lm_head
@@ -56,11 +60,22 @@ class DFlashModel:
             return start
         return min(start, max(w for w in windows if w is not None) - 1)
 
-    def write_context(self, ring: Array, features: Array, positions: Array) -> None:
+    def write_context(self, ring: Array, features: Array, positions: Array) -> Array:
         """features [n, len(target_layer_ids) * H] float32 (the target's layer outputs side
-        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring."""
+        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring.
+        Returns the context rows [n, H] (what a prefix cache keeps beside the pages)."""
+        ctx = self.context_rows(features)
+        self.write_kv(ring, ctx, positions)
+        return ctx
+
+    def context_rows(self, features: Array) -> Array:
+        """ctx = hidden_norm(fc(features)) [n, H] float32."""
         ops, c = self.ops, self.cfg
-        ctx = ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, c.rms_norm_eps)
+        return ops.rms_norm(ops.linear(features, self.fc), self.hidden_norm, c.rms_norm_eps)
+
+    def write_kv(self, ring: Array, ctx: Array, positions: Array) -> None:
+        """Context rows ctx [n, H] at positions [n] int64 -> every layer's K/V ring rows (the
+        ops are row-independent: rows rebuilt later get the bits a fresh ring holds)."""
         rows = positions % ring.shape[2]
         for i, layer in enumerate(self.layers):
             k, v = self._kv(layer, ctx, positions)
@@ -101,18 +116,39 @@ class DFlashModel:
             out = xp.tanh(out / cap) * cap
         return out
 
-    def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
-        """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
+    def block_logits(self, ring: Array, start: int, anchor_id: int) -> tuple[Array, Array | None]:
+        """The draft rows of the block after `anchor_id` at `start`: logits [B-1, V] and, for
+        DFlash2, the selector's projected hidden [B-1, r] (else None), on the device."""
         c = self.cfg
         ids = np.full(c.block_size, c.mask_token_id, np.int64)
         ids[0] = anchor_id
         hidden = self.block_hidden(ring, start, ids)[1:]
-        logits = self.logits(hidden)
-        if self.selector is None:
+        if self.hidden_projection is None:
+            return self.logits(hidden), None
+        return self.logits(hidden), self.ops.linear(hidden, self.hidden_projection)
+
+    def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
+        """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
+        logits, projected = self.block_logits(ring, start, anchor_id)
+        if projected is None:
             return np.argmax(self.ops.to_host(logits), axis=-1).astype(np.int64)
-        assert self.hidden_projection is not None
-        projected = self.ops.to_host(self.ops.linear(hidden, self.hidden_projection))
-        return self._select(self.ops.to_host(logits), projected, anchor_id)
+        assert self.codebooks is not None
+        return self.kernels.select_greedy(logits, projected, *self.codebooks, anchor_id,
+                                          self.cfg.selector_top_k)
+
+    def top_candidates(self, logits: Array) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash2's candidates of each row: (ids [R, k], logits [R, k]) on the host, larger
+        logit first, ties: lower id first."""
+        return self.kernels.top_k(logits, self.cfg.selector_top_k)
+
+    def candidate_scores(self, candidates: np.ndarray, values: np.ndarray, projected: np.ndarray,
+                         previous: int) -> np.ndarray:
+        """DFlash2's selector scores of one row's candidates [k] (their logits `values` [k],
+        projected [r], host): logit + <pred[previous] * projected, succ[candidate]> [k] f32."""
+        assert self.selector is not None
+        sel = self.selector
+        pair = sel.successor_codebook[candidates] @ (sel.predecessor_codebook[previous] * projected)
+        return (values + pair).astype(np.float32)
 
     # ---- parts ----------------------------------------------------------------------------
     def _kv(self, layer: DFlashLayerWeights, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -127,7 +163,7 @@ class DFlashModel:
                    kpos: np.ndarray, qpos: Array) -> Array:
         """The block's queries over ring rows kpos (ascending positions) and the block."""
         ops, c, xp = self.ops, self.cfg, self.ops.xp
-        rows, group = a.shape[0], c.num_heads // c.num_kv_heads
+        rows = a.shape[0]
         q = ops.rms_norm(ops.linear(a, layer.q).reshape(rows, c.num_heads, c.head_dim),
                          layer.q_norm, c.rms_norm_eps)
         ops.rope(q, qpos, self.inv_freq, self.mscale)
@@ -136,14 +172,9 @@ class DFlashModel:
         keys = xp.concatenate([ring[index, 0, ring_rows], k])  # [T, nkv, hd]
         values = xp.concatenate([ring[index, 1, ring_rows], v])
         visible = ops.asarray(_visible(self.ops.to_host(qpos), kpos, c.layer_windows[index],
-                                       c.layer_causal[index]))
-        qg = q.reshape(rows, c.num_kv_heads, group, c.head_dim)
-        scores = xp.einsum("bngd,tnd->bngt", qg, keys) * np.float32(c.head_dim ** -0.5)
-        scores = xp.where(visible[:, None, None, :], scores, np.float32(-np.inf))
-        probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-        out = xp.einsum("bngt,tnd->bngd", probs, values).reshape(rows, c.num_heads * c.head_dim)
-        return ops.linear(xp.ascontiguousarray(out, dtype=np.float32), layer.o)
+                                       c.layer_causal[index]).astype(np.uint8))
+        out = self.kernels.block_attention(q, keys, values, visible, c.head_dim ** -0.5)
+        return ops.linear(xp.ascontiguousarray(out.reshape(rows, c.num_heads * c.head_dim)), layer.o)
 
     def _conv_in(self, x: Array, conv: DynamicConvWeights | None) -> tuple[Array, Array | None]:
         """DFlash2's convolution before a sublayer: (convolved x, the taps for after it)."""
@@ -162,31 +193,7 @@ class DFlashModel:
     def _convolve(self, x: Array, taps: Array, base: Array) -> Array:
         """Grouped dynamic causal convolution over the block: x [B, H], taps [B, K, G]
         (one tap a group), base [K, H]; out[t] = sum_o (base[o] + taps[t, o]) * x[t - o]."""
-        xp, c = self.ops.xp, self.cfg
-        rows, groups = x.shape[0], c.num_groups
-        blocks = x.reshape(rows, groups, c.conv_group_size)
-        out = xp.zeros_like(blocks)
-        for offset in range(c.conv_kernel_size):
-            shifted = xp.zeros_like(blocks)
-            shifted[offset:] = blocks[:rows - offset]
-            out = out + base[offset].reshape(groups, c.conv_group_size) * shifted
-            out = out + taps[:, offset, :, None] * shifted
-        return out.reshape(rows, c.hidden_size)
-
-    def _select(self, logits: np.ndarray, projected: np.ndarray, anchor_id: int) -> np.ndarray:
-        """DFlash2's candidate selector, greedy: row t's candidates are its top_k logits
-        (ties: lower id first); score = logit + <pred[prev] * proj[t], succ[cand]>."""
-        assert self.selector is not None
-        sel, top_k = self.selector, self.cfg.selector_top_k
-        path = np.empty(logits.shape[0], np.int64)
-        previous = anchor_id
-        for t in range(logits.shape[0]):
-            candidates = np.argsort(-logits[t], kind="stable")[:top_k]
-            pair = sel.successor_codebook[candidates] @ (sel.predecessor_codebook[previous] * projected[t])
-            previous = int(candidates[int(np.argmax(logits[t, candidates] + pair))])
-            path[t] = previous
-        return path
-
+        return self.kernels.grouped_conv(x, taps, base, self.cfg.conv_group_size)
 
 def _visible(qpos: np.ndarray, kpos_ring: np.ndarray, window: int | None, causal: bool) -> np.ndarray:
     """[B, T] bool: which keys (ring positions, then the block's) each block query sees."""

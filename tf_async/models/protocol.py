@@ -15,7 +15,7 @@ from ..backend.base import Array, Ops
 from ..backend.weights import Linear
 from .batch_io import ForwardBatch
 from .config import ModelConfig
-from .qwen35 import RecurrentStates
+from .qwen35 import LaneStates
 
 
 class EmbedWeights(Protocol):
@@ -35,7 +35,7 @@ class DecoderProtocol(Protocol):
     def weights(self) -> EmbedWeights: ...
 
     @property
-    def states(self) -> RecurrentStates | None:
+    def states(self) -> LaneStates | None:
         """Per-lane recurrent state (hybrids), None for attention-only models."""
         ...
 

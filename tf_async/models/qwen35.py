@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -229,6 +229,29 @@ class StateLayout:
         return 4 * self.num_gdn_layers * self.stash_width
 
 
+class LaneStates(Protocol):
+    """What the engine calls on a hybrid's per-lane recurrent state: a RecurrentStates, or
+    one a tensor-parallel rank behind one object (tp_hybrid.ShardedStates)."""
+
+    @property
+    def num_lanes(self) -> int: ...
+    @property
+    def bytes_per_lane(self) -> int: ...
+    @property
+    def stash_bytes_per_lane(self) -> int: ...
+    @property
+    def num_bytes(self) -> int: ...
+    @property
+    def num_prefix_slots(self) -> int: ...
+
+    def zero(self, lane: int) -> None: ...
+    def freeze(self, lanes: tuple[int, ...]) -> None: ...
+    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None: ...
+    def add_prefix_slots(self, num_slots: int) -> None: ...
+    def keep(self, lane: int, slot: int) -> None: ...
+    def resume(self, slot: int, lane: int) -> None: ...
+
+
 class RecurrentStates:
     """Conv and delta-rule state of every GDN layer for every lane, float32 on the ops' device:
 
@@ -404,19 +427,36 @@ class HybridDecoder:
         states = states if states is not None else self.states
         if states is None:
             raise ValueError("HybridDecoder.forward: no RecurrentStates attached or passed")
-        row_lanes = self._row_lanes(batch, states)
-        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        row_lanes = self.row_lanes(batch, states)
+        ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
         captured: dict[int, Array] = {}  # batch.capture_layers' outputs
-        for index, layer in enumerate(w.layers):
-            a = ops.rms_norm(h, layer.input_norm, eps)
-            slot = self.hybrid.state_index(index)
-            if isinstance(layer.mixer, DeltaNetWeights):
-                h = h + self.deltanet(layer.mixer, a, states, slot, row_lanes)
-            else:
-                h = h + self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
-            h = h + self.ffn(layer.ffn, ops.rms_norm(h, layer.post_norm, eps))
+        for index in range(len(w.layers)):
+            h = h + self.mixer_term(index, h, batch, kv, kv_scales, states, row_lanes)
+            h = h + self.ffn_term(index, h)
             captured_rows(ops, batch, index, h, captured)
+        return self.head(h, batch, captured, all_hidden=all_hidden)
+
+    def mixer_term(self, index: int, h: Array, batch: ForwardBatch, kv: Array, kv_scales: Array,
+                   states: RecurrentStates, row_lanes: Array) -> Array:
+        """Trunk layer `index`'s mixer output [rows, H] (GDN or gated attention, input norm
+        included) that joins the residual h; with a rank's weights: its partial sum."""
+        layer = self.weights.layers[index]
+        a = self.ops.rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+        slot = self.hybrid.state_index(index)
+        if isinstance(layer.mixer, DeltaNetWeights):
+            return self.deltanet(layer.mixer, a, states, slot, row_lanes)
+        return self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
+
+    def ffn_term(self, index: int, h: Array) -> Array:
+        """Trunk layer `index`'s FFN output [rows, H] from the residual h (post norm included)."""
+        layer = self.weights.layers[index]
+        return self.ffn(layer.ffn, self.ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
+
+    def head(self, h: Array, batch: ForwardBatch, captured: dict[int, Array], *,
+             all_hidden: bool = False) -> tuple[Array, Array]:
+        """The final norm and lm_head of the last layer's rows h [rows, H] (forward's result)."""
+        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
         hidden = ops.rms_norm(h if all_hidden else h[batch.logit_rows], w.final_norm, eps)
         logit_hidden = hidden[batch.logit_rows] if all_hidden else hidden
         return ops.linear(logit_hidden, w.lm_head), (hidden_rows(ops, batch, captured, hidden)
@@ -432,7 +472,7 @@ class HybridDecoder:
         return self.forward(replace(batch, seq_lanes=lanes), kv, kv_scales,
                             states=self.new_states(num_seqs))
 
-    def _row_lanes(self, batch: ForwardBatch, states: RecurrentStates) -> Array:
+    def row_lanes(self, batch: ForwardBatch, states: RecurrentStates) -> Array:
         """Lane of each row, int32 [rows]: seq_lanes[row_seq[r]], checked against the store."""
         if batch.seq_lanes is None:
             raise ValueError("HybridDecoder.forward: batch.seq_lanes is required (lane of each "

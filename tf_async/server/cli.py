@@ -50,6 +50,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on a CUDA device, replay decode rounds of dense models from captured "
                              "CUDA graphs (same bits as eager; --no-cuda-graphs runs every round eagerly)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the weights and KV heads of a dense model over N ranks: N GPUs "
+                             "over NCCL on CUDA, N simulated ranks on the CPU "
+                             "(docs/TENSOR_PARALLEL.md)")
 
 
 def add_decode_steps_arg(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +139,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   draft_tokens=args.draft_tokens, max_queue=args.max_queue,
                   cuda_graphs=args.cuda_graphs, decode_steps=args.decode_steps,
                   prefix_cache=args.prefix_cache, draft_ring=args.draft_ring,
-                  draft_areas=args.draft_areas, ngram_min=args.ngram_min)
+                  draft_areas=args.draft_areas, ngram_min=args.ngram_min,
+                  tensor_parallel=args.tensor_parallel)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -100,5 +100,8 @@ def should_pool(ctx: DraftContext) -> bool:
 def make_contexts(runner: Runner, layout: AreaLayout, num_areas: int) -> DraftContexts:
     """Allocate the arena's drafter region (once, at start) for `num_areas` areas."""
     stride = -(-layout.num_bytes // 256) * 256
-    region = runner.arena.add_drafter_region(alloc_region(runner.ops.xp, num_areas * stride))
+    split = runner.arena.split  # tensor parallel: a region a rank, the layout a rank's heads
+    region = runner.arena.add_drafter_region(
+        alloc_region(runner.ops.xp, num_areas * stride) if split is None
+        else split.alloc_region(num_areas * stride, alloc_region))
     return DraftContexts(runner.ops.xp, layout, region, AreaPool(num_areas * stride))

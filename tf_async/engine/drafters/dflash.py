@@ -9,8 +9,9 @@ p % capacity) in the context's area, borrowed from the lane's run:
     ready when num_valid == num_tokens - 1
 
 `propose` runs one forward over the block [anchor, mask, ...] at position num_valid and
-returns its greedy drafts (DFlash2: through its candidate selector). Verification keeps a
-draft only when the target emits it, so drafted == plain whatever the drafter proposes.
+returns its drafts (DFlash2: through its candidate selector): greedy, or with temperature drawn
+as the target draws each position (seed, position). Verification keeps a draft only when the
+target emits it, so drafted == plain whatever the drafter proposes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..area import AreaLayout
 from ..drafting import count_accepted
 from .base import ContextDrafter
 from .contexts import DraftContext, DraftContexts, make_contexts
+from .dflash_pages import ContextPages, make_context_pages
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
@@ -46,6 +48,7 @@ class DFlashDrafter(ContextDrafter):
     def __init__(self, model: DFlashModel, contexts: DraftContexts, draft_tokens: int):
         super().__init__(model.ops, None, contexts, draft_tokens)
         self.model = model
+        self.pages: ContextPages | None = None  # with a prefix cache (make_dflash_drafter)
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
         """Every committed row is in the ring, and the ring holds all the block attends
@@ -60,12 +63,34 @@ class DFlashDrafter(ContextDrafter):
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         assert ctx.views is not None
+        if samples(seq):
+            return self._sampled(ctx, seq, limit)
         proposed = self.model.propose(ctx.views.ring, ctx.num_valid, seq.last_token())
-        drafts: list[int] = []
-        for token in proposed[:limit].tolist():
+        return _until_stop(seq, proposed[:limit].tolist())
+
+    def _sampled(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """With temperature: draft t is drawn as the target draws position num_tokens + t
+        (TargetChooser: the same sampler, seed and position), from the row's logits (DFlash)
+        or from softmax(score / T) over the selector's candidates (DFlash2), so a draft that
+        matches the target's distribution is the token the target samples."""
+        assert ctx.views is not None
+        logits, projected = self.model.block_logits(ctx.views.ring, ctx.num_valid, seq.last_token())
+        vocab = int(logits.shape[1])
+        top = None if projected is None else self.model.top_candidates(logits)
+        host_projected = None if projected is None else self.ops.to_host(projected)
+        outputs, drafts, previous = list(seq.output_ids), [], seq.last_token()
+        for t in range(limit):
+            if top is None or host_projected is None:
+                row = logits[t:t + 1]
+            else:
+                scores = self.model.candidate_scores(top[0][t], top[1][t], host_projected[t], previous)
+                row = self.ops.asarray(_score_row(vocab, top[0][t], scores))
+            token = self.choose(seq, row, outputs, seq.num_tokens + t)
             if token in seq.stop_ids:
                 break  # the target emits stop tokens itself
-            drafts.append(int(token))
+            drafts.append(token)
+            outputs.append(token)
+            previous = token
         return tuple(drafts)
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
@@ -73,30 +98,65 @@ class DFlashDrafter(ContextDrafter):
         every row of the step) into the ring."""
         count_accepted(self, rows, num_new_tokens)
         ctx = self.contexts.get(seq)
-        if ctx is None or ctx.num_valid < 0 or hidden is None:
-            return
         valid_end = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + num_new_tokens
-        try:
-            self._sync(ctx, rows.start_pos, valid_end, hidden)
-        except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
-            log.exception("DFlash sync failed for request %d; decoding without drafts",
-                          seq.request_id)
-            ctx.num_valid = -1
+        if ctx is not None and ctx.num_valid >= 0 and hidden is not None:
+            try:
+                self._sync(ctx, seq, rows.start_pos, valid_end, hidden)
+            except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
+                log.exception("DFlash sync failed for request %d; decoding without drafts",
+                              seq.request_id)
+                ctx.num_valid = -1
+        if self.pages is not None and (ctx is None or ctx.num_valid < 0):
+            self.pages.forget(seq, rows.start_pos, valid_end)  # its KV, without ctx rows
 
-    def _sync(self, ctx: DraftContext, start_pos: int, valid_end: int, hidden: Array) -> None:
+    def _sync(self, ctx: DraftContext, seq: Sequence, start_pos: int, valid_end: int,
+              hidden: Array) -> None:
         """Positions [num_valid, valid_end) into the ring from the step's rows at start_pos.."""
         assert ctx.views is not None
+        if 0 <= ctx.num_valid < start_pos:
+            self._rebuild(ctx, seq, start_pos)  # the stream resumed from cached prefix pages
         lo = ctx.num_valid
         if lo < start_pos or valid_end < lo:
-            # a gap: the stream resumed from cached prefix pages (no DFlash context is kept
-            # beside them yet), so it decodes without drafts
-            ctx.num_valid = -1
+            ctx.num_valid = -1  # a gap no kept rows fill: this stream decodes without drafts
             return
         if valid_end > lo:
             positions = self.ops.asarray(np.arange(lo, valid_end, dtype=np.int64))
             features = self.ops.xp.ascontiguousarray(hidden[lo - start_pos: valid_end - start_pos])
-            self.model.write_context(ctx.views.ring, features, positions)
+            rows = self.model.write_context(ctx.views.ring, features, positions)
+            if self.pages is not None:
+                self.pages.keep(seq, rows, lo, valid_end)
         ctx.num_valid = valid_end
+
+    def _rebuild(self, ctx: DraftContext, seq: Sequence, start_pos: int) -> None:
+        """The ring rows a block at start_pos attends, from the ctx rows kept on the pages."""
+        assert ctx.views is not None
+        first = max(0, start_pos - int(ctx.views.ring.shape[2]))
+        if self.pages is None or not self.pages.can_rebuild(seq, first, start_pos):
+            return  # _sync then finds the gap
+        positions = self.ops.asarray(np.arange(first, start_pos, dtype=np.int64))
+        self.model.write_kv(ctx.views.ring, self.pages.rows_of(seq, first, start_pos), positions)
+        ctx.num_valid = start_pos
+
+
+def _score_row(vocab: int, candidates: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """[1, V] f32: the selector's scores at its candidates, -inf elsewhere."""
+    row = np.full((1, vocab), -np.inf, np.float32)
+    row[0, candidates] = scores
+    return row
+
+
+def samples(seq: Sequence) -> bool:
+    """Whether the target samples this stream's tokens (as sample_token's greedy test)."""
+    return not (seq.params.temperature == 0.0 or seq.params.top_k == 1)
+
+
+def _until_stop(seq: Sequence, proposed: list[int]) -> tuple[int, ...]:
+    drafts: list[int] = []
+    for token in proposed:
+        if token in seq.stop_ids:
+            break  # the target emits stop tokens itself
+        drafts.append(int(token))
+    return tuple(drafts)
 
 
 # ---- construction -------------------------------------------------------------------------
@@ -130,4 +190,10 @@ def make_dflash_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpo
     runner.all_hidden = True
     runner.capture_layers = drafter_ckpt.config.target_layer_ids
     draft_tokens = min(options.draft_tokens, drafter_ckpt.config.block_size - 1)
-    return DFlashDrafter(model, contexts, draft_tokens)
+    drafter = DFlashDrafter(model, contexts, draft_tokens)
+    if scheduler.runs.cache is not None:  # resumed streams rebuild their rings from the pages
+        drafter.pages = make_context_pages(runner.ops, scheduler.runs, scheduler.prefix.page_key,
+                                           drafter_ckpt.config.hidden_size)
+        runner.arena.add_drafter_pages(drafter.pages.num_bytes)
+        runner.on_page_copies = drafter.pages.copy
+    return drafter

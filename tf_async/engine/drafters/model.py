@@ -20,6 +20,8 @@ from ...models.decoder import Decoder
 from ...models.loader import load_checkpoint
 from ...models.protocol import DecoderProtocol
 from ...models.qwen35 import HybridWeights
+from ...models.tp_decoder import TPDecoder
+from ...models.tp_shard import shard_config
 from ..area import AreaLayout
 from ..calibrate import kv_scales_for
 from ..drafting import count_accepted
@@ -98,7 +100,9 @@ def make_model_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpoi
     capacity, num_areas = options.ring_capacity, options.num_draft_areas(scheduler.lanes.num_lanes)
     assert spec.path is not None
     draft, decoder, kv_scales = _load_draft(spec.path, ckpt, runner, options.kv_dtype)
-    layout = AreaLayout.for_model(draft.config, capacity, options.kv_dtype)
+    split = runner.arena.split  # tensor parallel: each rank's area holds its KV heads' ring
+    ring_config = draft.config if split is None else shard_config(draft.config, split.size)
+    layout = AreaLayout.for_model(ring_config, capacity, options.kv_dtype)
     return ModelDrafter(decoder, kv_scales, make_contexts(runner, layout, num_areas),
                         options.draft_tokens)
 
@@ -111,7 +115,9 @@ def _load_draft(path: str, ckpt: Checkpoint, runner: Runner, kv_dtype: str):
     draft = load_checkpoint(path)
     refuse_recurrent_draft(draft)
     check_same_vocab(ckpt, draft)
-    decoder = Decoder(draft, runner.ops)
+    split = runner.arena.split
+    decoder: DecoderProtocol = (Decoder(draft, runner.ops) if split is None
+                                else TPDecoder(draft, split.rank_ops, split.comm))
     scales = kv_scales_for(decoder, draft, kv_dtype)
     if scales is None:
         scales = np.ones((draft.config.num_layers, 2), np.float32)
