@@ -179,6 +179,8 @@ def test_replica_env_splits_cores_and_gpus() -> None:
     assert dict(replica_env(1, 2, "cpu", 16)) == {"NUMBA_NUM_THREADS": "8"}
     assert dict(replica_env(1, 4, "cuda", 2)) == {"NUMBA_NUM_THREADS": "1",
                                                   "CUDA_VISIBLE_DEVICES": "1"}
+    # --tensor-parallel 2: replica 1 of 2 takes GPUs 2 and 3
+    assert dict(replica_env(1, 2, "cuda", 8, 2))["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
 def test_replicas_below_one_is_refused(capsys) -> None:

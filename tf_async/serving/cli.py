@@ -47,7 +47,8 @@ def _flag_of(action: argparse.Action, value: object) -> list[str]:
 def replica_specs(args: argparse.Namespace) -> list[ReplicaSpec]:
     flags = child_flags(args)
     num_cores = os.cpu_count() or 1
-    return [ReplicaSpec(i, flags, replica_env(i, args.replicas, args.device, num_cores)
+    return [ReplicaSpec(i, flags, replica_env(i, args.replicas, args.device, num_cores,
+                                              args.tensor_parallel)
                         + ((("TF_API_KEY", args.api_key),) if args.api_key else ()))
             for i in range(args.replicas)]
 

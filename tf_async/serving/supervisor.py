@@ -40,11 +40,14 @@ class ReplicaSpec:
     env: tuple[tuple[str, str], ...]
 
 
-def replica_env(index: int, num_replicas: int, device: str, num_cores: int) -> tuple[tuple[str, str], ...]:
-    """GPU i for replica i on CUDA; on the CPU each child gets its share of the cores."""
+def replica_env(index: int, num_replicas: int, device: str, num_cores: int,
+                gpus_per_replica: int = 1) -> tuple[tuple[str, str], ...]:
+    """On CUDA, replica i gets GPUs i*g .. i*g+g-1 (g: its --tensor-parallel size); on the
+    CPU each child gets its share of the cores."""
     env = [("NUMBA_NUM_THREADS", str(max(1, num_cores // num_replicas)))]
     if device == "cuda":
-        env.append(("CUDA_VISIBLE_DEVICES", str(index)))
+        gpus = range(index * gpus_per_replica, (index + 1) * gpus_per_replica)
+        env.append(("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus))))
     return tuple(env)
 
 
