@@ -6,8 +6,11 @@ SSE error event then [DONE]."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -138,3 +141,14 @@ async def test_replica_lost_before_answering_is_a_502_openai_error() -> None:
             error = (await resp.json())["error"]
         assert error["code"] == "replica_failed" and error["type"] == "server_error"
         assert replicas.num_lost_streams == [1]
+
+
+async def test_a_replica_that_cannot_start_stops_the_front_with_exit_2(tmp_path: Path) -> None:
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tf_async.cli", "serve", "--replicas", "2",
+                           "--model", str(tmp_path / "missing"), "--device", "cpu", "--port",
+                           "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "a replica exited before it was ready" in done.stderr
+    assert "model path does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.splitlines()[-1] == "tf-async: stopped (every replica exited)"

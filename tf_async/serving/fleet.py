@@ -35,6 +35,7 @@ class ReplicaSet:
         self.num_no_replica = 0
         self._open: list[set[aiohttp.ClientResponse]] = [set() for _ in specs]
         self._start_failed = asyncio.Event()
+        self._all_ready = asyncio.Event()
         self._http: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
 
@@ -59,20 +60,22 @@ class ReplicaSet:
 
     async def wait_all_ready(self) -> None:
         """Return once every replica has served once; ReplicaSetError if one failed first."""
-        ready: asyncio.Future[object] = asyncio.ensure_future(
-            asyncio.gather(*(r.ever_ready.wait() for r in self.replicas)))
-        failed: asyncio.Future[object] = asyncio.ensure_future(self._start_failed.wait())
+        waits = [asyncio.ensure_future(event.wait())
+                 for event in (self._all_ready, self._start_failed)]
         try:
-            await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            ready.cancel()
-            failed.cancel()
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
         if self._start_failed.is_set():
             raise ReplicaSetError("a replica exited before it was ready (see its output above)")
 
     def _on_up(self, index: int) -> None:
         log.info("replica %d ready at %s", index, self.replicas[index].url)
         self.policy.mark_up(index)
+        if all(r.ever_ready.is_set() for r in self.replicas):
+            self._all_ready.set()
 
     def _on_down(self, index: int) -> None:
         """Process exit: out of routing now, and its open upstream responses closed so
