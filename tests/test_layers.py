@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "tf_async.api": 5,
     "tf_async": 5,  # the package's __init__: re-exports the API
     "tf_async.server": 6,
+    "tf_async.serving": 6,  # the --replicas front and the Ray app: beside the server
     "tf_async.cli": 6,  # the command line and its tools sit on top, beside the server
     "tf_async.gate": 6,
     "tf_async.bench": 6,

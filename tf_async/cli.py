@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve" and args.replicas > 1:
+        from .serving.cli import run_replicas  # N engines behind one front
+
+        return run_replicas(args)
     if args.command == "serve":
         from .server.cli import run_serve
 

@@ -110,9 +110,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
                         help="on SIGINT/SIGTERM, let running streams finish for up to this long, "
                              "then cancel the rest (a second Ctrl-C stops at once)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel replicas: N engine processes (GPU i each with "
+                             "--device cuda; a share of the cores each on the CPU) behind one "
+                             "endpoint that routes by load and keeps conversations on their "
+                             "replica (docs/SCALE_OUT.md)")
+    parser.add_argument("--affinity-margin", type=int, default=2, metavar="REQUESTS",
+                        help="with --replicas: a conversation stays on its replica unless that "
+                             "one has more than this many requests more than the least loaded")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="name(s) the API answers to (aliases, e.g. gpt-4o-mini); the "
                              "first is listed first; default: the model's own name")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of `tf-async serve`'s flags alone (replicas read their flags with it)."""
+    parser = argparse.ArgumentParser(prog="tf-async serve", add_help=False)
+    add_serve_args(parser)
+    return parser
 
 
 def engine_from_args(args: argparse.Namespace) -> Any:
@@ -131,6 +146,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM, then drain (see `_shutdown`)."""
     check_port_free(args.host, args.port)  # before the model loads, which can take minutes
+    if args.replicas != 1:  # tf_async/cli.py sends --replicas N > 1 to serving/cli.py
+        raise BadInputError(f"--replicas must be at least 1, not {args.replicas}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         asyncio.run(_serve(args))
