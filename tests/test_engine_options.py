@@ -53,6 +53,16 @@ def test_cli_flags_reach_the_engine_options() -> None:
     assert engine_from_args(_parser().parse_args(["serve"])).options.ngram_min == 2
 
 
+def test_prefix_state_flags_reach_the_engine_options() -> None:
+    args = _parser().parse_args(["serve", "--prefix-state-pages", "4", "--prefix-state-slots", "9"])
+    options = engine_from_args(args).options
+    assert (options.prefix_state_pages, options.prefix_state_slots) == (4, 9)
+    defaults = engine_from_args(_parser().parse_args(["serve"])).options
+    assert (defaults.prefix_state_pages, defaults.prefix_state_slots) == (16, None)
+    with pytest.raises(BadInputError, match="prefix_state_pages"):
+        engine_from_args(_parser().parse_args(["serve", "--prefix-state-pages", "0"]))
+
+
 @pytest.mark.parametrize("command", ["serve", "gate", "bench"])
 def test_tensor_parallel_flag(command: str) -> None:
     assert _parser().parse_args([command]).tensor_parallel == 1

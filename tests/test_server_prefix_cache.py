@@ -47,6 +47,9 @@ async def test_a_repeated_prompt_reports_cached_tokens_and_salts_keep_tenants_ap
     hits = [line for line in text.splitlines() if line.startswith("tf_prefix_cache_hit_pages")]
     assert hits and float(hits[0].split()[-1]) >= cached // 4
     assert "tf_prefix_cache_pages " in text and stats["cached_pages"] > 0
+    copied = [line for line in text.splitlines() if line.startswith("tf_prefix_cache_copied_rows_total")]
+    assert copied and float(copied[0].split()[-1]) == stats["prefix_cache_copied_rows"]
+    assert "tf_prefix_state_slots 0.0" in text  # a dense model keeps no recurrent state
     assert stats["pages_in_use"] == 0  # cached pages are not lane pages
 
 

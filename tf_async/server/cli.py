@@ -75,6 +75,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV pages of prompts seen before (resumed chats, shared "
                              "system prompts; same outputs); paging only")
+    parser.add_argument("--prefix-state-pages", type=int, default=16,
+                        help="hybrid models with the prefix cache: keep a recurrent state every N "
+                             "pages of a prompt (and at its end) for streams that resume there")
+    parser.add_argument("--prefix-state-slots", type=int, default=None,
+                        help="hybrid models with the prefix cache: recurrent states kept "
+                             "(default: one a lane; each costs one lane's state)")
     parser.add_argument("--step-tokens", type=int, default=256,
                         help="prompt tokens per round (stepped prefill)")
     add_decode_steps_arg(parser)
@@ -140,7 +146,8 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   cuda_graphs=args.cuda_graphs, decode_steps=args.decode_steps,
                   prefix_cache=args.prefix_cache, draft_ring=args.draft_ring,
                   draft_areas=args.draft_areas, ngram_min=args.ngram_min,
-                  tensor_parallel=args.tensor_parallel)
+                  prefix_state_pages=args.prefix_state_pages,
+                  prefix_state_slots=args.prefix_state_slots, tensor_parallel=args.tensor_parallel)
 
 
 def run_serve(args: argparse.Namespace) -> int:

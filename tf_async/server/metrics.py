@@ -35,6 +35,8 @@ _ENGINE_GAUGES = (
      "KV pages in the prefix cache (held by runs or idle); not lane pages."),
     ("tf_prefix_cache_pages_idle", "cached_pages_idle",
      "Cached KV pages no run holds (evicted, least recently used first, when pages run short)."),
+    ("tf_prefix_state_slots", "prefix_state_slots",
+     "Hybrid models: recurrent states the prefix cache can keep."),
 )
 # (metric name without _total, engine.stats() key, help): counters the engine keeps
 _ENGINE_COUNTERS = (
@@ -46,6 +48,12 @@ _ENGINE_COUNTERS = (
      "Full pages computed and published to the prefix cache (no cached copy was found)."),
     ("tf_prefix_cache_evictions", "prefix_cache_evictions",
      "Idle cached pages given back to the pool."),
+    ("tf_prefix_cache_copied_rows", "prefix_cache_copied_rows",
+     "KV rows copied from a cached partial last page into a stream's own page."),
+    ("tf_prefix_states_kept", "prefix_states_kept",
+     "Hybrid models: recurrent states kept at page boundaries for resumed streams."),
+    ("tf_prefix_states_resumed", "prefix_states_resumed",
+     "Hybrid models: streams that started from a kept recurrent state."),
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
