@@ -8,6 +8,9 @@
 #   qwen35   pytest -m gpu tests/test_gpu_qwen35.py
 #   baselines pytest -m gpu tests/test_gpu_baselines.py (outputs == the recorded GPU baselines)
 #   prefix   pytest -m gpu tests/test_gpu_prefix_cache.py (resumed == fresh: copies, states, rings)
+#   dflash   pytest -m gpu tests/test_gpu_dflash.py (DFlash kernels at 27B sizes, gates, resumes)
+#   tp       pytest -m gpu tests/test_gpu_tensor_parallel.py (NCCL all-reduce, gates at TP=2/4,
+#            TP=2 vs TP=1; skips with fewer than 2 GPUs: take an nvidia-h200-x2 or x4 kind)
 #   ops      benchmarks/bench_decode_ops.py
 #   variants benchmarks/bench_matmul_variants.py --rows 1 --kinds q4
 #   bench    benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32
@@ -61,6 +64,8 @@ for stage in "$@"; do
     qwen35) run qwen35 400 "${PYTEST[@]}" tests/test_gpu_qwen35.py ;;
     baselines) run baselines 300 "${PYTEST[@]}" tests/test_gpu_baselines.py ;;
     prefix) run prefix 300 "${PYTEST[@]}" tests/test_gpu_prefix_cache.py ;;
+    dflash) run dflash 360 "${PYTEST[@]}" tests/test_gpu_dflash.py ;;
+    tp) run tp 240 "${PYTEST[@]}" tests/test_gpu_tensor_parallel.py ;;
     ops) run ops 90 python3 benchmarks/bench_decode_ops.py ;;
     variants) run variants 200 python3 benchmarks/bench_matmul_variants.py --rows 1 --kinds q4 ;;
     bench) run bench 240 python3 benchmarks/bench_gpu.py --decode 8 --parallel 1,8,32 ;;
