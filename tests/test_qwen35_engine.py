@@ -320,6 +320,32 @@ async def test_failure_inside_a_round_of_decode_steps_fails_its_streams_clearly(
     assert stats["rounds"] > 0
 
 
+async def test_a_failed_mtp_sync_stops_drafting_for_that_stream_only(hybrids, plain, caplog):
+    """The MTP ring's sync fails for one request: that stream decodes on without drafts, its
+    output and every other stream's equal plain, the failure is logged, idle is clean."""
+    from tf_async.engine.drafters.mtp import MtpDrafter
+
+    name = "dense-mlx4"
+    real_sync = MtpDrafter._sync
+    failing: set[int] = set()
+
+    def sync(self, ctx, seq, *args):
+        if not failing:
+            failing.add(seq.request_id)
+        if seq.request_id in failing:
+            raise RuntimeError("injected sync failure")
+        return real_sync(self, ctx, seq, *args)
+
+    async with engine(hybrids[name], drafter="mtp") as eng:
+        drafter = eng.parts.scheduler.drafter
+        drafter._sync = sync.__get__(drafter)
+        got = await run_all(eng, "greedy")
+        stats = await idle_stats(eng)
+    assert got == plain[name, "greedy"]
+    assert "MTP sync failed for request" in caplog.text and len(failing) == 1
+    assert stats["draft_area_bytes_in_use"] == 0 and stats["drafted_tokens"] > 0
+
+
 async def test_fp8_kv_calibrates_and_mtp_drafts_equal_plain(hybrids):
     ckpt = hybrids["moe-mlx4"]
     results = {}

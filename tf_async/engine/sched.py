@@ -288,7 +288,7 @@ class Scheduler:
         seq.num_accepted += len(new_ids) - 1 if rows.draft_ids else 0
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
         # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
-        seq.num_computed = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + len(new_ids)
+        seq.num_computed = rows.committed_end(len(new_ids))
         if self.recurrent and rows.draft_ids:  # the lane's state was frozen for the round
             self._state_commits.append((rows.lane, seq.num_computed - rows.start_pos))
         if self.drafter is not None:

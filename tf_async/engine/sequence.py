@@ -94,6 +94,12 @@ class SeqRows:
     # one per logit row when the token may be chosen on the device, else () (host path)
     choices: tuple[TokenChoice, ...] = ()
 
+    def committed_end(self, num_new_tokens: int) -> int:
+        """The stream's computed rows after the round, when it kept `num_new_tokens` tokens:
+        every row before the logit rows, then one a kept token (a rejected draft's row and
+        those after it are not committed)."""
+        return self.start_pos + len(self.token_ids) - self.num_logit_rows + num_new_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class RoundPlan:

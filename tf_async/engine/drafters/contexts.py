@@ -3,6 +3,8 @@ run (engine/area.py) or, when the arena's region is full, in owned buffers from 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ if TYPE_CHECKING:
     from ..runner import Runner
     from ..sequence import Sequence
 
+log = logging.getLogger("tf_async.drafting")
 
 @dataclass(slots=True)
 class DraftContext:
@@ -90,6 +93,18 @@ class DraftContexts:
     def get(self, seq: Sequence) -> DraftContext | None:
         ctx = self.open_by_lane.get(seq.lane) if seq.lane is not None else None
         return ctx if ctx is not None and ctx.request_id == seq.request_id else None
+
+
+def sync_or_stop_drafting(ctx: DraftContext, seq: Sequence, sync: Callable[[], None],
+                          drafter_name: str) -> None:
+    """Run a ring drafter's sync of the rows a step committed; if it fails, the stream goes on
+    without drafts (its outputs never depend on them) and the failure is logged."""
+    try:
+        sync()
+    except Exception:  # noqa: BLE001 - a drafter failure must not fail the stream
+        log.exception("%s sync failed for request %d; decoding without drafts", drafter_name,
+                      seq.request_id)
+        ctx.num_valid = -1
 
 
 def should_pool(ctx: DraftContext) -> bool:

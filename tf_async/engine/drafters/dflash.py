@@ -16,7 +16,6 @@ target emits it, so drafted == plain whatever the drafter proposes.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from ...models.qwen35 import HybridWeights
 from ..area import AreaLayout
 from ..drafting import count_accepted
 from .base import ContextDrafter
-from .contexts import DraftContext, DraftContexts, make_contexts
+from .contexts import DraftContext, DraftContexts, make_contexts, sync_or_stop_drafting
 from .dflash_pages import ContextPages, make_context_pages
 
 if TYPE_CHECKING:
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
-log = logging.getLogger("tf_async.drafting")
 
 
 class DFlashDrafter(ContextDrafter):
@@ -98,14 +96,10 @@ class DFlashDrafter(ContextDrafter):
         every row of the step) into the ring."""
         count_accepted(self, rows, num_new_tokens)
         ctx = self.contexts.get(seq)
-        valid_end = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + num_new_tokens
+        valid_end = rows.committed_end(num_new_tokens)
         if ctx is not None and ctx.num_valid >= 0 and hidden is not None:
-            try:
-                self._sync(ctx, seq, rows.start_pos, valid_end, hidden)
-            except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
-                log.exception("DFlash sync failed for request %d; decoding without drafts",
-                              seq.request_id)
-                ctx.num_valid = -1
+            sync_or_stop_drafting(
+                ctx, seq, lambda: self._sync(ctx, seq, rows.start_pos, valid_end, hidden), "DFlash")
         if self.pages is not None and (ctx is None or ctx.num_valid < 0):
             self.pages.forget(seq, rows.start_pos, valid_end)  # its KV, without ctx rows
 

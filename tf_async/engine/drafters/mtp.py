@@ -16,7 +16,6 @@ sampling at their positions, so a draft is accepted when it is what the target e
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from ..area import KV_NP_DTYPE, AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
 from .base import ContextDrafter
-from .contexts import DraftContext, DraftContexts, make_contexts
+from .contexts import DraftContext, DraftContexts, make_contexts, sync_or_stop_drafting
 from .page_slots import PageSlots, make_page_slots
 
 if TYPE_CHECKING:
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
     from ..sched import Scheduler
     from ..sequence import SeqRows, Sequence
 
-log = logging.getLogger("tf_async.drafting")
 
 
 class MtpDrafter(ContextDrafter):
@@ -91,13 +89,9 @@ class MtpDrafter(ContextDrafter):
         ctx = self.contexts.get(seq)
         if ctx is None or ctx.num_valid < 0 or hidden is None:
             return
-        valid_end = rows.start_pos + len(rows.token_ids) - rows.num_logit_rows + num_new_tokens
-        try:
-            self._sync(ctx, seq, rows.start_pos, valid_end, hidden)
-        except Exception:  # noqa: BLE001 - as in propose: this stream decodes without drafts
-            log.exception("MTP sync failed for request %d; decoding without drafts",
-                          seq.request_id)
-            ctx.num_valid = -1
+        valid_end = rows.committed_end(num_new_tokens)
+        sync_or_stop_drafting(ctx, seq, lambda: self._sync(ctx, seq, rows.start_pos, valid_end, hidden),
+                              "MTP")
 
     def _sync(self, ctx: DraftContext, seq: Sequence, start_pos: int, valid_end: int,
               hidden: Array) -> None:
