@@ -9,12 +9,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
 import pytest
 
 from tests import tiny_qwen35 as tq
-from tests.engine_helpers import idle_stats
-from tests.test_prefix_cache_drafters import Proposals, record_proposals
+from tests.resume_helpers import (
+    Proposals,
+    Turn,
+    chat,
+    differing,
+    resumed_and_fresh,
+    sampling,
+    shared_prefix_twice,
+    tokens,
+    turn_of,
+)
 from tests.tiny_dflash import dflash_config, dflash_weights, write_dflash
 from tf_async import Engine
 from tf_async.models.loader import load_checkpoint
@@ -24,7 +32,6 @@ pytestmark = pytest.mark.asyncio
 PAGE = 4
 OPTIONS: dict[str, Any] = dict(device="cpu", parallel=4, ctx=128, page_size=PAGE, step_tokens=16,
                                draft_tokens=3)
-Turn = tuple[list[int], int, int, int]  # output ids, cached, drafted, accepted tokens
 
 
 @pytest.fixture(scope="module")
@@ -46,65 +53,11 @@ def targets(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
     return out
 
 
-def _tokens(seed: int, num_tokens: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 60, num_tokens).tolist()
-
-
-def _sampling(mode: str, index: int) -> dict[str, Any]:
-    if mode == "greedy":
-        return {"max_tokens": 10, "ignore_eos": True}
-    return {"max_tokens": 10, "ignore_eos": True, "temperature": 0.9, "seed": 90 + index}
-
-
-def _turn(done: Any) -> Turn:
-    u = done.usage
-    return done.token_ids, u.cached_tokens, u.drafted_tokens, u.accepted_tokens
-
-
-async def _chat(eng: Engine, turns: int, mode: str) -> list[Turn]:
-    history, out = _tokens(3, 23), []
-    for turn in range(turns):
-        prompt = history + _tokens(103 + turn, 5 + 3 * turn)
-        done = await eng.complete(prompt, **_sampling(mode, turn))
-        out.append(_turn(done))
-        history = prompt + done.token_ids
-    return out
-
-
-async def _shared_prefix_twice(eng: Engine, num_streams: int, mode: str) -> list[Turn]:
-    prefix, out = _tokens(1, 41), []
-    for wave in range(2):
-        prompts = [prefix + _tokens(200 + 10 * wave + i, 3 + i) for i in range(num_streams)]
-        done = await asyncio.gather(*(eng.complete(p, **_sampling(mode, i))
-                                      for i, p in enumerate(prompts)))
-        out += [_turn(d) for d in done]
-    return out
-
-
-async def _both(ckpt: Any, options: dict[str, Any], run: Any
-                ) -> tuple[list[Turn], list[Turn], Proposals, Proposals, dict[str, Any]]:
-    async with Engine(ckpt, **options) as eng:
-        seen = record_proposals(eng)
-        resumed = await run(eng)
-        stats = await idle_stats(eng)
-    async with Engine(ckpt, **options, prefix_cache=False) as eng:
-        fresh_seen = record_proposals(eng)
-        fresh = await run(eng)
-    return resumed, fresh, seen, fresh_seen, stats
-
-
-def _differing(seen: Proposals, fresh_seen: Proposals) -> tuple[int, int]:
-    """(proposals on the same tokens in both runs, how many differ); a prompt may be cut
-    differently with the cache, so only proposals on the same tokens compare."""
-    common = set(seen) & set(fresh_seen)
-    return len(common), sum(seen[key] != fresh_seen[key] for key in common)
-
-
 def _assert_same_drafting(resumed: list[Turn], fresh: list[Turn], seen: Proposals,
                           fresh_seen: Proposals, stats: dict[str, Any]) -> None:
     assert [t[0] for t in resumed] == [t[0] for t in fresh]  # drafted == plain (== fresh)
     assert sum(t[2] for t in resumed) > 0
-    common, differ = _differing(seen, fresh_seen)
+    common, differ = differing(seen, fresh_seen)
     assert differ == 0 and common >= len(seen) // 2, (common, differ, len(seen))
     assert stats["prefix_cache_hit_pages"] > 0
     assert stats["draft_area_bytes_in_use"] == 0 and stats["draft_areas_in_use"] == 0
@@ -114,8 +67,8 @@ def _assert_same_drafting(resumed: list[Turn], fresh: list[Turn], seen: Proposal
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 async def test_resumed_chat_drafts_as_fresh(targets, kind, mode) -> None:
     ckpt, spec = targets[kind]
-    resumed, fresh, seen, fresh_seen, stats = await _both(
-        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: _chat(eng, 3, mode))
+    resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(
+        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: chat(eng, 3, mode, seed=3))
     _assert_same_drafting(resumed, fresh, seen, fresh_seen, stats)
     assert [t[2:] for t in resumed] == [t[2:] for t in fresh]  # drafted, accepted a turn
     assert all(t[1] > 0 for t in resumed[1:]), resumed
@@ -127,9 +80,9 @@ async def test_resumed_chat_drafts_as_fresh(targets, kind, mode) -> None:
 async def test_concurrent_streams_sharing_a_prefix_draft_as_fresh(targets, kind) -> None:
     ckpt, spec = targets[kind]
     for mode in ("greedy", "seeded"):
-        resumed, fresh, seen, fresh_seen, stats = await _both(
+        resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(
             ckpt, {**OPTIONS, "drafter": spec},
-            lambda eng, mode=mode: _shared_prefix_twice(eng, 4, mode))
+            lambda eng, mode=mode: shared_prefix_twice(eng, 4, mode))
         _assert_same_drafting(resumed, fresh, seen, fresh_seen, stats)
         # (which wave-2 streams find a kept hybrid state is the cache's policy, not the drafter's)
         assert sum(t[1] > 0 for t in resumed[4:]) >= 3, resumed
@@ -143,10 +96,10 @@ async def test_eviction_under_pressure_keeps_outputs_and_drafts(targets) -> None
     async def run(eng: Engine) -> list[Turn]:
         out: list[Turn] = []
         for wave in range(3):
-            out += await _shared_prefix_twice(eng, 4, "seeded" if wave % 2 else "greedy")
+            out += await shared_prefix_twice(eng, 4, "seeded" if wave % 2 else "greedy")
         return out
 
-    resumed, fresh, seen, fresh_seen, stats = await _both(
+    resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(
         ckpt, {**OPTIONS, "drafter": spec, "kv_pages": 40}, run)
     _assert_same_drafting(resumed, fresh, seen, fresh_seen, stats)
     assert stats["prefix_cache_evictions"] > 0, stats
@@ -159,10 +112,10 @@ async def test_a_context_not_rebuilt_from_the_kept_rows_is_caught(targets, monke
     real = ContextPages.rows_of
     monkeypatch.setattr(ContextPages, "rows_of", lambda self, *a: real(self, *a) * 0)
     ckpt, spec = targets["dense1"]
-    resumed, fresh, seen, fresh_seen, _ = await _both(
-        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: _chat(eng, 3, "greedy"))
+    resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
+        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: chat(eng, 3, "greedy", seed=3))
     assert [t[0] for t in resumed] == [t[0] for t in fresh]
-    assert _differing(seen, fresh_seen)[1] > 0
+    assert differing(seen, fresh_seen)[1] > 0
 
 
 async def test_kept_rows_cost_is_counted_in_the_arena(targets) -> None:
@@ -180,15 +133,15 @@ async def test_a_hybrid_resuming_mid_prompt_rebuilds_its_ring(targets) -> None:
     budget): the second computes its first rows itself, then resumes mid-prompt from the
     first's pages and states; its ring is rebuilt from its own kept rows and the first's."""
     ckpt, spec = targets["hybrid2"]
-    prefix = _tokens(30, 70)
-    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    prefix = tokens(30, 70)
+    prompts = [prefix + tokens(31 + i, 6) for i in range(2)]
     options = {**OPTIONS, "drafter": spec, "prefix_state_pages": 2, "step_tokens": 12}
 
     async def run(eng: Engine) -> list[Turn]:
-        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+        done = await asyncio.gather(*(eng.complete(p, **sampling("seeded", i))
                                       for i, p in enumerate(prompts)))
-        return [_turn(d) for d in done]
+        return [turn_of(d) for d in done]
 
-    resumed, fresh, seen, fresh_seen, stats = await _both(ckpt, options, run)
+    resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(ckpt, options, run)
     _assert_same_drafting(resumed, fresh, seen, fresh_seen, stats)
     assert resumed[1][1] >= 24 and stats["prefix_states_resumed"] > 0

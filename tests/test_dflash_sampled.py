@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.engine_helpers import idle_stats
-from tests.test_prefix_cache_drafters import record_proposals
+from tests.resume_helpers import record_proposals
 from tests.tiny_dflash import dflash_config, dflash_weights, write_dflash
 from tf_async import Engine
 from tf_async.engine.drafters import dflash as dflash_drafter

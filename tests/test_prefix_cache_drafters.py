@@ -13,98 +13,31 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
 import pytest
 
-from tests.engine_helpers import idle_stats
+from tests.resume_helpers import (
+    Proposals,
+    Turn,
+    chat,
+    differing,
+    resumed_and_fresh,
+    sampling,
+    shared_prefix_twice,
+    tokens,
+    turn_of,
+)
 from tf_async import Engine
 
 PAGE = 4
 OPTIONS: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=PAGE, step_tokens=16,
                                draft_tokens=3)
-Proposals = dict[tuple[int, ...], tuple[int, ...]]
-Turn = tuple[list[int], int, int, int]  # output ids, cached, drafted, accepted tokens
-
-
-def _tokens(seed: int, num_tokens: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 60, num_tokens).tolist()
-
-
-def _sampling(mode: str, index: int) -> dict[str, Any]:
-    if mode == "greedy":
-        return {"max_tokens": 10, "ignore_eos": True}
-    return {"max_tokens": 10, "ignore_eos": True, "temperature": 0.9, "seed": 90 + index}
-
-
-def record_proposals(eng: Engine) -> Proposals:
-    """Every proposal of the engine's drafter, by the stream's tokens."""
-    drafter = eng.parts.scheduler.drafter
-    assert drafter is not None
-    inner = drafter.propose
-    seen: Proposals = {}
-
-    def propose(seq: Any, limit: int) -> tuple[int, ...]:
-        drafts = inner(seq, limit)
-        seen[(*seq.prompt_ids, -1, *seq.output_ids)] = drafts
-        return drafts
-
-    drafter.propose = propose  # type: ignore[method-assign]
-    return seen
-
-
-def _turn(done: Any) -> Turn:
-    usage = done.usage
-    return done.token_ids, usage.cached_tokens, usage.drafted_tokens, usage.accepted_tokens
-
-
-async def _chat(eng: Engine, turns: int, mode: str, seed: int) -> list[Turn]:
-    history = _tokens(seed, 23)
-    out = []
-    for turn in range(turns):
-        prompt = history + _tokens(seed + 100 + turn, 5 + 3 * turn)
-        done = await eng.complete(prompt, **_sampling(mode, turn))
-        out.append(_turn(done))
-        history = prompt + done.token_ids
-    return out
-
-
-async def _shared_prefix_twice(eng: Engine, num_streams: int, mode: str) -> list[Turn]:
-    """Two waves of streams sharing a prefix: the second resumes what the first computed."""
-    prefix = _tokens(1, 41)
-    out: list[Turn] = []
-    for wave in range(2):
-        prompts = [prefix + _tokens(200 + 10 * wave + i, 3 + i) for i in range(num_streams)]
-        done = await asyncio.gather(*(eng.complete(p, **_sampling(mode, i))
-                                      for i, p in enumerate(prompts)))
-        out += [_turn(d) for d in done]
-    return out
-
-
-async def _both(ckpt: Any, options: dict[str, Any], run: Any
-                ) -> tuple[list[Turn], list[Turn], Proposals, Proposals, dict[str, Any]]:
-    async with Engine(ckpt, **options) as eng:
-        seen = record_proposals(eng)
-        resumed = await run(eng)
-        stats = await idle_stats(eng)
-    async with Engine(ckpt, **options, prefix_cache=False) as eng:
-        fresh_seen = record_proposals(eng)
-        fresh = await run(eng)
-    return resumed, fresh, seen, fresh_seen, stats
-
-
-def _differing(seen: Proposals, fresh_seen: Proposals) -> tuple[int, int]:
-    """(proposals made on the same tokens in both runs, how many of them differ). A stream's
-    prompt may be cut differently with the cache (its last token then decodes with drafts), so
-    only proposals on the same tokens (hence the same limit) compare."""
-    common = set(seen) & set(fresh_seen)
-    return len(common), sum(seen[key] != fresh_seen[key] for key in common)
 
 
 def _assert_same_drafting(resumed: list[Turn], fresh: list[Turn], seen: Proposals,
                           fresh_seen: Proposals) -> None:
     assert [t[0] for t in resumed] == [t[0] for t in fresh]
     assert sum(t[2] for t in resumed) > 0
-    common, differ = _differing(seen, fresh_seen)
+    common, differ = differing(seen, fresh_seen)
     assert differ == 0 and common >= len(seen) // 2, (common, differ, len(seen))
     assert all(t[1] == 0 for t in fresh)
 
@@ -126,8 +59,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize("turns", [2, 5])
 async def test_resumed_chat_drafts_as_fresh(tiny_llama, hybrid, kind, mode, turns) -> None:
     ckpt, spec = _drafters(tiny_llama, hybrid)[kind]
-    resumed, fresh, seen, fresh_seen, stats = await _both(
-        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: _chat(eng, turns, mode, seed=3))
+    resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(
+        ckpt, {**OPTIONS, "drafter": spec}, lambda eng: chat(eng, turns, mode, seed=3))
     _assert_same_drafting(resumed, fresh, seen, fresh_seen)
     assert [t[2:] for t in resumed] == [t[2:] for t in fresh]  # drafted, accepted per turn
     assert resumed[0][1] == 0 and all(t[1] > 0 for t in resumed[1:]), resumed
@@ -142,9 +75,9 @@ async def test_streams_sharing_a_prefix_draft_as_fresh(tiny_llama, hybrid, kind,
     # prefix one at row 32 (a stream's moving state moves on past the prefix as it decodes).
     states = {"prefix_state_pages": 4, "prefix_state_slots": 16}
     for mode in ("greedy", "seeded"):
-        resumed, fresh, seen, fresh_seen, _ = await _both(
+        resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
             ckpt, {**OPTIONS, "drafter": spec, **states},
-            lambda eng, mode=mode: _shared_prefix_twice(eng, num_streams, mode))
+            lambda eng, mode=mode: shared_prefix_twice(eng, num_streams, mode))
         _assert_same_drafting(resumed, fresh, seen, fresh_seen)
         assert all(t[1] > 0 for t in resumed[num_streams:]), resumed
 
@@ -162,37 +95,37 @@ async def test_a_draft_model_ring_without_the_reused_prefix_is_caught(tiny_llama
         ctx.num_valid = seq.num_computed
 
     monkeypatch.setattr(ModelDrafter, "open", open_past_the_prefix)
-    resumed, fresh, seen, fresh_seen, _ = await _both(
+    resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
         tiny_llama, {**OPTIONS, "drafter": f"draft:{tiny_llama.path}"},
-        lambda eng: _chat(eng, 3, "greedy", seed=3))
+        lambda eng: chat(eng, 3, "greedy", seed=3))
     assert [t[0] for t in resumed] == [t[0] for t in fresh]  # outputs never change
-    assert _differing(seen, fresh_seen)[1] > 0
+    assert differing(seen, fresh_seen)[1] > 0
 
 
 async def test_an_mtp_ring_not_rebuilt_from_the_kept_slots_is_caught(hybrid, monkeypatch) -> None:
     from tf_async.engine.drafters.page_slots import PageSlots
 
     monkeypatch.setattr(PageSlots, "copy_to_ring", lambda self, *args: None)
-    resumed, fresh, seen, fresh_seen, _ = await _both(
-        hybrid, {**OPTIONS, "drafter": "mtp"}, lambda eng: _chat(eng, 3, "greedy", seed=3))
+    resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
+        hybrid, {**OPTIONS, "drafter": "mtp"}, lambda eng: chat(eng, 3, "greedy", seed=3))
     assert [t[0] for t in resumed] == [t[0] for t in fresh]
-    assert _differing(seen, fresh_seen)[1] > 0
+    assert differing(seen, fresh_seen)[1] > 0
 
 
 async def test_an_mtp_ring_is_rebuilt_when_a_hybrid_resumes_mid_prompt(hybrid) -> None:
     """Two streams with one long prefix admitted together (states every 8 rows, 12-row budget):
     the second computes its first 4 rows itself, then resumes mid-prompt from the first's pages
     and states; its MTP ring is rebuilt from its own pages and the first's."""
-    prefix = _tokens(30, 70)
-    prompts = [prefix + _tokens(31 + i, 6) for i in range(2)]
+    prefix = tokens(30, 70)
+    prompts = [prefix + tokens(31 + i, 6) for i in range(2)]
     options = {**OPTIONS, "drafter": "mtp", "prefix_state_pages": 2, "step_tokens": 12}
 
     async def run(eng: Engine) -> list[Turn]:
-        done = await asyncio.gather(*(eng.complete(p, **_sampling("seeded", i))
+        done = await asyncio.gather(*(eng.complete(p, **sampling("seeded", i))
                                       for i, p in enumerate(prompts)))
-        return [_turn(d) for d in done]
+        return [turn_of(d) for d in done]
 
-    resumed, fresh, seen, fresh_seen, stats = await _both(hybrid, options, run)
+    resumed, fresh, seen, fresh_seen, stats = await resumed_and_fresh(hybrid, options, run)
     _assert_same_drafting(resumed, fresh, seen, fresh_seen)
     assert resumed[1][1] >= 24 and stats["prefix_states_resumed"] > 0
     # (how many tokens a stream drafts may differ: resumed, its prompt is cut elsewhere, and
