@@ -178,8 +178,9 @@ async def test_resumed_streams_keep_drafting_on_the_gpu(targets, name) -> None:
     rng = np.random.default_rng(7)
     prefix = rng.integers(3, 60, 41).tolist()
     prompts = [prefix + rng.integers(3, 60, 3 + i).tolist() for i in range(4)]
+    # A hybrid resumes from a state kept every 4 pages (16 tokens: inside the shared prefix).
     opts: dict[str, Any] = dict(device="cuda", parallel=4, ctx=128, page_size=4, step_tokens=16,
-                                drafter=spec, draft_tokens=3)
+                                drafter=spec, draft_tokens=3, prefix_state_pages=4)
 
     async def run(eng: Engine) -> list[Any]:
         first = await eng.complete(prompts[0], max_tokens=10, ignore_eos=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests import resume_helpers
 from tests import test_prefix_cache as dense
 from tests import test_prefix_cache_drafters as drafted
 from tests.engine_helpers import idle_stats
@@ -59,8 +60,8 @@ async def test_hybrid_chat_equals_fresh_on_the_gpu(hybrid, rewrite) -> None:
 async def test_ring_drafters_on_resumed_chats_draft_as_fresh_on_the_gpu(tiny_llama, hybrid, kind,
                                                                         mode) -> None:
     ckpt, spec = drafted._drafters(tiny_llama, hybrid)[kind]
-    resumed, fresh, seen, fresh_seen, _ = await drafted._both(
+    resumed, fresh, seen, fresh_seen, _ = await resume_helpers.resumed_and_fresh(
         ckpt, {**drafted.OPTIONS, **GPU, "drafter": spec},
-        lambda eng: drafted._chat(eng, 4, mode, seed=3))
+        lambda eng: resume_helpers.chat(eng, 4, mode, seed=3))
     drafted._assert_same_drafting(resumed, fresh, seen, fresh_seen)
     assert all(t[1] > 0 for t in resumed[1:]), resumed

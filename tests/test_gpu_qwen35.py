@@ -474,7 +474,8 @@ PROMPT = [5, 17, 200, 33, 9, 41, 300, 7, 12, 250, 3, 77, 18, 64, 2, 140, 9, 31, 
 STREAM_TOKENS = (PROMPT, PROMPT[4:11], PROMPT[9:10])  # 22, 7 and 1 rows
 
 
-def _round(decoder: Any, kv: Any, streams: list[tuple[int, list[int], int]]) -> list[np.ndarray]:
+def _round(decoder: Any, kv: Any, streams: list[tuple[int, list[int], int]], scales: Any
+           ) -> list[np.ndarray]:
     """One forward over the rows of `streams` (lane, tokens, start position); lane i owns pages
     [8i, 8i + 8). Logits of every row on the host, per stream."""
     ops = decoder.ops
@@ -494,7 +495,7 @@ def _round(decoder: Any, kv: Any, streams: list[tuple[int, list[int], int]]) -> 
     batch = ForwardBatch(put(np.array(tokens, np.int64)), put(pos_a), put(slots), put(seq_a),
                          put(table), put(np.arange(len(tokens), dtype=np.int64)), PAGE,
                          put(lanes))
-    logits, _ = decoder.forward(batch, kv, np.ones((decoder.config.num_layers, 2), np.float32))
+    logits, _ = decoder.forward(batch, kv, scales)
     host = ops.to_host(logits)
     bounds = np.cumsum([0, *(len(ids) for _, ids, _ in streams)])
     return [host[bounds[i]:bounds[i + 1]] for i in range(len(streams))]
@@ -507,6 +508,7 @@ def _run(decoder: Any, streams: list[tuple[int, list[int]]], step: int | None = 
     cfg = decoder.config
     kv = decoder.ops.alloc_kv(cfg.num_layers, 3 * PAGES_PER_STREAM * PAGE, cfg.num_kv_heads,
                               cfg.head_dim, "f32")
+    scales = decoder.ops.asarray(np.ones((cfg.num_layers, 2), np.float32))  # one a run: a graph key
     for lane, _ in streams:
         decoder.states.zero(lane)
     out: list[list[np.ndarray]] = [[] for _ in streams]
@@ -515,7 +517,7 @@ def _run(decoder: Any, streams: list[tuple[int, list[int]]], step: int | None = 
     for start in range(0, longest, step):
         live = [(i, lane, ids[start:start + step]) for i, (lane, ids) in enumerate(streams)
                 if start < len(ids)]
-        got = _round(decoder, kv, [(lane, part, start) for _, lane, part in live])
+        got = _round(decoder, kv, [(lane, part, start) for _, lane, part in live], scales)
         for (i, _, _), rows in zip(live, got, strict=True):
             out[i].append(rows)
     return [np.concatenate(parts) for parts in out]
@@ -542,3 +544,50 @@ def test_hybrid_decoder_gpu_logits_close_to_cpu_and_batch_invariant(hybrids, nam
         stepped = _run(decoder, streams, step)
         for i, rows in enumerate(stepped):
             assert np.array_equal(rows, gpu[i]), f"stream {i}: stepped ({step}) != whole"
+
+
+@pytest.mark.parametrize("name", ["dense-mlx4", "moe-mlx4"])
+def test_hybrid_rounds_replayed_from_graphs_equal_eager(hybrids, name) -> None:
+    """GraphDecoder over a HybridDecoder: rounds whose rows all want logits are captured once a
+    shape and replayed with the lanes' states addressed through the lane table: the same bits
+    as the eager decoder, in any lane, whole or stepped (MoE: rounds past the sorted-expert
+    threshold run eagerly, with the same bits)."""
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.models.graph_decoder import GraphDecoder
+    from tf_async.models.loader import make_decoder
+
+    ckpt = hybrids[name]
+    streams = [(lane, list(ids)) for lane, ids in enumerate(STREAM_TOKENS)]
+    eager = _run(make_decoder(ckpt, CudaOps(), num_lanes=3), streams)
+    graphed = GraphDecoder(make_decoder(ckpt, CudaOps(), num_lanes=3))  # type: ignore[arg-type]
+    for step in (1, 3, None):
+        for i, rows in enumerate(_run(graphed, streams, step)):
+            assert np.array_equal(rows, eager[i]), f"stream {i}: graphed (step {step}) != eager"
+    swapped = [((lane + 1) % 3, ids) for lane, ids in streams]
+    for i, rows in enumerate(_run(graphed, swapped, 1)):
+        assert np.array_equal(rows, eager[i]), f"stream {i} in lane {(i + 1) % 3}: != eager"
+    assert graphed.num_replays > 10
+    assert all(g is not None for g in graphed._graphs.values())  # every capture succeeded
+
+
+@pytest.mark.asyncio
+async def test_hybrid_engine_replays_decode_rounds_from_graphs(hybrids) -> None:
+    """The engine's default on a GPU: a hybrid's plain decode rounds (and decode steps) replay
+    graphs; outputs equal cuda_graphs=False token for token, greedy and seeded."""
+    from tf_async import Engine
+
+    async def run(graphs: bool, steps: int) -> tuple[list[list[int]], int]:
+        async with Engine(hybrids["moe-mlx4"], device="cuda", parallel=4, ctx=128,
+                          cuda_graphs=graphs, decode_steps=steps) as eng:
+            outs = await asyncio.gather(*(eng.complete(p, max_tokens=12, ignore_eos=True,
+                                                       **({"temperature": HOT, "seed": i} if i % 2 else {}))
+                                          for i, p in enumerate(PROMPTS[:4])))
+            replays = getattr(eng.parts.runner.decoder, "num_replays", 0)
+        assert eng.stats()["lanes_in_use"] == 0
+        return [o.token_ids for o in outs], replays
+
+    plain, _ = await run(False, 1)
+    for steps in (1, 4):
+        graphed, replays = await run(True, steps)
+        assert graphed == plain, f"decode steps {steps}"
+        assert replays > 5

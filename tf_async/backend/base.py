@@ -162,6 +162,15 @@ def device_sampler(ops: Ops) -> DeviceSampler | None:
     return cast(DeviceSampler, ops) if ops.capabilities.device_sampling else None
 
 
+def checks_indices(ops: Ops) -> bool:
+    """Whether a forward on `ops` checks its indices itself now: always where checks are free
+    (no device_checks capability), else outside the backend's `unchecked()` (its caller ran
+    the same checks on the host)."""
+    if not ops.capabilities.device_checks:
+        return True
+    return bool(cast(GraphOps, ops).device_checks)  # the flag comes with the capability
+
+
 def graph_ops(ops: Ops) -> GraphOps | None:
     """`ops` itself when it declares CUDA graph capture, else None."""
     return cast(GraphOps, ops) if ops.capabilities.cuda_graphs else None

@@ -9,7 +9,14 @@ are bit-identical to the eager forward's and every gate holds unchanged.
 
 Which rounds: every row wants logits (decode rows, draft verification rows) and there are
 at most `max_rows` rows; anything else (prompt steps) runs eagerly, as do new shapes once
-`max_graphs` shapes are captured (each keeps a memory pool of its own). The static block table
+`max_graphs` shapes are captured (each keeps a memory pool of its own).
+
+Hybrids (Qwen3.5/3.6, HybridDecoder): the lanes' recurrent states are addressed through the
+round's lane table (`seq_lanes`, a section of the static buffer), so one graph serves any set
+of lanes; the kernels read the `frozen` flags from the states' own array at replay. Rounds that
+stash verify rows (drafts to verify) run eagerly, as do MoE rounds with enough slots for the
+sorted-by-expert path (its sort is not captured). A capture that fails leaves that shape
+eager (the round's outputs are the eager forward's either way). The static block table
 is as wide as the arena has pages; attention reads only the entries a row's position needs
 (positions are checked against the round's own width), so the padding never changes a value.
 
@@ -35,6 +42,7 @@ a greedy round makes no launch of its own outside the graph (each costs ~50 us o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +52,9 @@ from ..backend.base import Array, GraphOps, graph_ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch, Layout, check_indices, packed_of
 from .decoder import Decoder
+from .qwen35 import HybridDecoder, RecurrentStates
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,6 +70,7 @@ class _Captured:
     # key) cannot pass to other arrays while the graph that writes them exists.
     kv: Array = None
     kv_scales: Array = None
+    states: RecurrentStates | None = None  # hybrids: the store whose arrays the graph addresses
     graph: Any = None
     logits: Array = None
     hidden: Array = None
@@ -66,10 +78,10 @@ class _Captured:
 
 
 class GraphDecoder:
-    """A DecoderProtocol that wraps one dense Decoder on GraphOps (CudaOps)."""
+    """A DecoderProtocol that wraps one Decoder or HybridDecoder on GraphOps (CudaOps)."""
 
-    def __init__(self, decoder: Decoder, *, max_rows: int = 64, programmatic: bool = True,
-                 max_graphs: int = 32):
+    def __init__(self, decoder: Decoder | HybridDecoder, *, max_rows: int = 64,
+                 programmatic: bool = True, max_graphs: int = 32):
         ops = graph_ops(decoder.ops)
         if ops is None:
             raise BadInputError("CUDA graphs need the cuda device", param="device")
@@ -77,27 +89,28 @@ class GraphDecoder:
         self.config = decoder.config
         self.ops: GraphOps = ops
         self.weights = decoder.weights
-        self.max_rows = max_rows
+        self.max_rows = _captured_rows(decoder, max_rows)
         # Each captured shape keeps its own memory pool: past `max_graphs` shapes (drafting
         # at a high --parallel makes many), new shapes run eagerly (same bits).
         self.max_graphs = max_graphs
         # Programmatic edges between the round's kernels where the GPU and driver allow
         # (cuda_kernels/graphs.py): the same kernels in the same order, launched sooner.
         self.programmatic = programmatic
-        self._graphs: dict[tuple[int, ...], _Captured] = {}
+        self._graphs: dict[tuple[int, ...], _Captured | None] = {}  # None: eager (capture failed)
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
     @property
-    def states(self) -> None:
-        """Dense models only: a round with recurrent state is never captured."""
-        return None
+    def states(self) -> RecurrentStates | None:
+        """The wrapped decoder's recurrent states (hybrids), else None."""
+        return self.decoder.states if isinstance(self.decoder, HybridDecoder) else None
 
     def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
-        """No recurrent state: nothing to commit (DecoderProtocol)."""
+        """The wrapped decoder's commits (eager: they run before the round's forward)."""
+        self.decoder.commit_states(commits)
 
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
-        return self.decoder.forward(batch, kv, kv_scales)
+        return self.decoder.one_shot(batch, kv, kv_scales)
 
     def argmax_of(self, logits: Array) -> Array | None:
         """ops.argmax(logits), computed inside the graph, when `logits` is the very array the
@@ -115,7 +128,7 @@ class GraphDecoder:
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)
-        if (not decode_shaped or batch.seq_lanes is not None  # recurrent state: not captured
+        if (not decode_shaped or not self._capturable(batch)
                 or width > kv.shape[2] // batch.page_size):  # wider than the static table
             return self.decoder.forward(batch, kv, kv_scales)
         if self.ops.device_checks:  # False inside unchecked(): the caller checked (the runner)
@@ -126,15 +139,29 @@ class GraphDecoder:
                               page_size=batch.page_size)
             else:
                 self._check_indices(batch, kv)
-        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales))
-        captured = self._graphs.get(key)
-        if captured is None and len(self._graphs) >= self.max_graphs:
+        states = self.states
+        if states is not None and isinstance(self.decoder, HybridDecoder):
+            self.decoder.row_lanes(batch, states, check_only=True)  # the graph reads the table
+        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales), id(states))
+        if key in self._graphs:
+            captured = self._graphs[key]
+            if captured is None:  # its capture failed: this shape runs eagerly
+                return self.decoder.forward(batch, kv, kv_scales)
+            return self._replay(captured, batch)
+        if len(self._graphs) >= self.max_graphs:
             return self.decoder.forward(batch, kv, kv_scales)
-        if captured is None:
-            captured, outputs = self._capture(batch, kv, kv_scales)
-            self._graphs[key] = captured
-            return outputs
-        return self._replay(captured, batch)
+        made, outputs = self._capture(batch, kv, kv_scales)
+        self._graphs[key] = made
+        return outputs
+
+    def _capturable(self, batch: ForwardBatch) -> bool:
+        """Dense rounds without a lane table; hybrid rounds with one that stash nothing (no
+        drafts to verify) and hand out no captured layers."""
+        states = self.states
+        if states is None:
+            return batch.seq_lanes is None
+        return (batch.seq_lanes is not None and states.stash_plan is None
+                and not batch.capture_layers)
 
     # ------------------------------------------------------------------ replay
     def _replay(self, cap: _Captured, batch: ForwardBatch) -> tuple[Array, Array]:
@@ -152,35 +179,47 @@ class GraphDecoder:
         return logits, _copied(xp, cap.hidden)
 
     def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array
-                 ) -> tuple[_Captured, tuple[Array, Array]]:
+                 ) -> tuple[_Captured | None, tuple[Array, Array]]:
         """Run the round eagerly on a private stream and pool (compiles every kernel and sizes
-        the pool), then capture the same round; return the capture and the eager outputs."""
+        the pool), then capture the same round; return the capture (None: a hybrid round
+        that could not be captured) and the eager outputs."""
         xp = self.ops.xp
         caller = xp.cuda.get_current_stream()
         # A blocking stream: ordered with the legacy default stream the engine uses.
         layout, buffer, static = _static_batch(xp, batch, kv)
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
-                        static, kv, kv_scales)
+                        static, kv, kv_scales, self.states)
         cap.stream.wait_event(caller.record())
         with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():
             _load(xp, cap, batch)
             logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
             outputs = (logits.copy(), hidden.copy())
-
-            def record() -> None:
-                cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
-                cap.greedy = self.ops.argmax(cap.logits)
-
-            if self.programmatic:
-                cap.graph = self.ops.capture_programmatic(cap.stream, record)
-            if cap.graph is None:
-                cap.stream.begin_capture(mode=_relaxed(xp))
-                try:
-                    record()
-                finally:
-                    cap.graph = cap.stream.end_capture()
+            made: _Captured | None = cap
+            try:
+                self._record(cap, kv, kv_scales)
+            except Exception as exc:  # noqa: BLE001 - an op that cannot be captured
+                if self.states is None:
+                    raise
+                log.warning("hybrid round of %d rows not captured (runs eagerly): %s",
+                            batch.token_ids.shape[0], exc)
+                made = None
         caller.wait_event(cap.stream.record())
-        return cap, outputs
+        return made, outputs
+
+    def _record(self, cap: _Captured, kv: Array, kv_scales: Array) -> None:
+        """Capture the round (its kernels are compiled and its pool sized by then)."""
+        def record() -> None:
+            cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
+            cap.greedy = self.ops.argmax(cap.logits)
+
+        if self.programmatic:
+            cap.graph = self.ops.capture_programmatic(cap.stream, record)
+        if cap.graph is None:
+            cap.stream.begin_capture(mode=_relaxed(self.ops.xp))
+            try:
+                record()
+            finally:
+                cap.graph = cap.stream.end_capture()
 
     # ------------------------------------------------------------------ checks
     def _check_indices(self, batch: ForwardBatch, kv: Array) -> None:
@@ -213,15 +252,27 @@ def _relaxed(xp: Any) -> Any:
     return getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
 
 
+def _captured_rows(decoder: Decoder | HybridDecoder, max_rows: int) -> int:
+    """The most rows a captured round has: `max_rows`, fewer for a hybrid MoE, whose rounds
+    of MOE_SORTED_MIN_SLOTS routed slots or more sort by expert (not captured)."""
+    if not isinstance(decoder, HybridDecoder) or not decoder.hybrid.is_moe:
+        return max_rows
+    from ..backend.cuda_ops import MOE_SORTED_MIN_SLOTS
+
+    top_k = decoder.config.num_experts_per_tok
+    return min(max_rows, (MOE_SORTED_MIN_SLOTS - 1) // top_k)
+
+
 def _static_batch(xp: Any, batch: ForwardBatch, kv: Array) -> tuple[Layout, Array, ForwardBatch]:
-    """Input buffers of a graph: one packed buffer (batch_io's layout, no seq_lanes) and the
-    batch of its views; the block table is as wide as the arena has pages."""
+    """Input buffers of a graph: one packed buffer (batch_io's layout; the lane table when the
+    round has one) and the batch of its views; the block table is as wide as the arena has
+    pages."""
     rows, seqs = batch.token_ids.shape[0], batch.block_table.shape[0]
-    layout = Layout(rows, rows, seqs, kv.shape[2] // batch.page_size)
+    layout = Layout(rows, rows, seqs, kv.shape[2] // batch.page_size, batch.seq_lanes is not None)
     buffer = xp.zeros(layout.words, xp.int64)
     v = layout.views(buffer, xp)
     static = ForwardBatch(v.token_ids, v.positions, v.slots, v.row_seq, v.block_table,
-                          v.logit_rows, batch.page_size)
+                          v.logit_rows, batch.page_size, v.seq_lanes)
     return layout, buffer, static
 
 
@@ -240,6 +291,8 @@ def _load(xp: Any, cap: _Captured, batch: ForwardBatch) -> None:
         return
     for name in ("token_ids", "positions", "slots", "row_seq", "logit_rows"):
         getattr(static, name)[...] = getattr(batch, name)
+    if static.seq_lanes is not None:
+        static.seq_lanes[...] = batch.seq_lanes
     width = batch.block_table.shape[1]
     static.block_table[:, :width] = batch.block_table
     static.block_table[:, width:] = 0

@@ -22,6 +22,7 @@ import numpy as np
 from ..backend.base import Array, Ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch
+from .graph_decoder import GraphDecoder
 from .protocol import DecoderProtocol
 from .qwen35 import HybridDecoder, HybridWeights, MtpWeights
 
@@ -117,6 +118,8 @@ class MtpHead:
 def make_mtp_head(decoder: DecoderProtocol) -> MtpHead:
     """The MTP head of a hybrid decoder; BadInputError naming why when the checkpoint has none
     (not declared, declared but no mtp.* weights shipped, or unsupported)."""
+    if isinstance(decoder, GraphDecoder):  # the head runs eagerly on the trunk's weights
+        decoder = decoder.decoder
     if not isinstance(decoder, HybridDecoder):
         raise BadInputError(f"--drafter mtp: model {decoder.config.name!r} "
                             f"({decoder.config.arch}) is not a Qwen3.5 hybrid with an MTP layer",

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..backend.base import Array, Ops
+from ..backend.base import Array, Ops, checks_indices
 from ..backend.weights import DenseWeight, FusedLinear, Linear
 from .batch_io import ForwardBatch, captured_rows, hidden_rows, packed_of
 from .config import ModelConfig
@@ -472,16 +472,23 @@ class HybridDecoder:
         return self.forward(replace(batch, seq_lanes=lanes), kv, kv_scales,
                             states=self.new_states(num_seqs))
 
-    def row_lanes(self, batch: ForwardBatch, states: RecurrentStates) -> Array:
-        """Lane of each row, int32 [rows]: seq_lanes[row_seq[r]], checked against the store."""
+    def row_lanes(self, batch: ForwardBatch, states: RecurrentStates, *,
+                  check_only: bool = False) -> Array:
+        """Lane of each row, int32 [rows]: seq_lanes[row_seq[r]], checked against the store
+        (on the packed host copy when there is one; a batch without one is checked on the
+        device, except inside ops.unchecked(): a graph's static batch, checked by its caller)."""
         if batch.seq_lanes is None:
             raise ValueError("HybridDecoder.forward: batch.seq_lanes is required (lane of each "
                              "block-table row) to index the recurrent state")
         packed = packed_of(batch)  # the host copy when there is one: no device sync
-        lanes = packed.host_views.seq_lanes if packed is not None else self.ops.to_host(batch.seq_lanes)
-        if lanes.size and (int(lanes.min()) < 0 or int(lanes.max()) >= states.num_lanes):
-            raise ValueError(f"HybridDecoder.forward: seq_lanes {lanes.tolist()} outside "
-                             f"[0, {states.num_lanes})")
+        if packed is not None or checks_indices(self.ops):
+            lanes = (packed.host_views.seq_lanes if packed is not None
+                     else self.ops.to_host(batch.seq_lanes))
+            if lanes.size and (int(lanes.min()) < 0 or int(lanes.max()) >= states.num_lanes):
+                raise ValueError(f"HybridDecoder.forward: seq_lanes {lanes.tolist()} outside "
+                                 f"[0, {states.num_lanes})")
+        if check_only:
+            return None
         xp = self.ops.xp
         return xp.ascontiguousarray(xp.asarray(batch.seq_lanes)[batch.row_seq], dtype=np.int32)
 
