@@ -269,7 +269,7 @@ def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.Mo
     graphed.ops.device_checks = False
     graphed.max_graphs = 2
     calls: list[str] = []
-    graphed.decoder.forward = lambda batch, kv, scales: calls.append("eager") or ("logits", "hidden")
+    graphed.decoder.forward = lambda batch, kv, scales, **kw: calls.append("eager") or ("logits", "hidden")
     monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales: (calls.append("capture") or "cap",
                                                                           ("logits", "hidden")))
     monkeypatch.setattr(graphed, "_replay", lambda cap, batch: calls.append("replay") or ("logits", "hidden"))
@@ -285,6 +285,36 @@ def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.Mo
         graphed.forward(round_of(rows), kv, scales)
     assert calls == ["capture", "capture", "eager", "replay", "eager", "replay"]
     assert len(graphed._graphs) == 2
+
+
+@pytest.mark.parametrize("capture_verify", [False, True])
+def test_graph_decoder_serves_every_row_hidden_only_when_every_row_is_a_logit_row(
+        monkeypatch: pytest.MonkeyPatch, capture_verify: bool) -> None:
+    """forward(all_hidden=True) (the MTP drafter's rounds) goes to the graph only with
+    CAPTURE_VERIFY_ROUNDS on and every row a logit row in order (the graph's hidden rows are
+    then every row's); else it runs eagerly, asking for every row's hidden."""
+    from tf_async.models import graph_decoder
+
+    monkeypatch.setattr(graph_decoder, "CAPTURE_VERIFY_ROUNDS", capture_verify)
+    graphed = _graph_decoder()
+    graphed.ops.device_checks = False
+    calls: list[tuple[str, bool]] = []
+    graphed.decoder.forward = lambda batch, kv, scales, all_hidden=False: (
+        calls.append(("eager", all_hidden)) or ("logits", "hidden"))
+    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales: (
+        calls.append(("capture", False)) or "cap", ("logits", "hidden")))
+    kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
+    scales = np.ones((1, 2), np.float32)
+
+    def round_of(logit_rows: list[int]) -> ForwardBatch:
+        return pack_batch(CpuOps(), token_ids=[3, 4], positions=[2, 3], row_seq=[0, 0],
+                          block_table=np.zeros((1, 4), np.int32), logit_rows=logit_rows,
+                          page_size=PAGE, slots=[6, 7])
+
+    graphed.forward(round_of([0, 1]), kv, scales, all_hidden=True)
+    graphed.forward(round_of([1]), kv, scales, all_hidden=True)
+    first = ("capture", False) if capture_verify else ("eager", True)
+    assert calls == [first, ("eager", True)]
 
 
 def _captured(batch: ForwardBatch, max_pages: int) -> Any:

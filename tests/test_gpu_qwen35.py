@@ -591,3 +591,30 @@ async def test_hybrid_engine_replays_decode_rounds_from_graphs(hybrids) -> None:
         graphed, replays = await run(True, steps)
         assert graphed == plain, f"decode steps {steps}"
         assert replays > 5
+
+
+@pytest.mark.parametrize("name", ["dense-mlx4", "moe-mlx4"])
+@pytest.mark.asyncio
+async def test_verify_rounds_replayed_from_graphs_keep_every_gate(hybrids, name, monkeypatch) -> None:
+    """CAPTURE_VERIFY_ROUNDS on: rounds that verify drafts (their rows stashed through the plan
+    buffer) and MTP rounds (every row's hidden) replay graphs too; every gate holds (drafted ==
+    plain with mtp and ngram, greedy and seeded) and verify rounds really were replayed."""
+    from tf_async.engine import build
+    from tf_async.models import graph_decoder
+
+    monkeypatch.setattr(graph_decoder, "CAPTURE_VERIFY_ROUNDS", True)
+    made: list[Any] = []
+    maybe_graphs = build._maybe_graphs
+
+    def recorded(decoder: Any, graphs: bool) -> Any:
+        made.append(maybe_graphs(decoder, graphs))
+        return made[-1]
+
+    monkeypatch.setattr(build, "_maybe_graphs", recorded)
+    rows, idle = await run_gates(hybrids[name], device="cuda", max_tokens=10, ctx=128,
+                                 prompts=PROMPTS[:6], drafters=("mtp", "ngram"), temperature=HOT)
+    failed = [r for r in rows if not r.ok]
+    assert not failed, failed
+    assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
+    graphed = [g for g in made if isinstance(g, graph_decoder.GraphDecoder)]
+    assert graphed and sum(g.num_verify_replays for g in graphed) > 10

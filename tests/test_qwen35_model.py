@@ -214,10 +214,10 @@ def test_frozen_verify_and_commit_equal_plain_decoding(model):
         drafts = [bad[i + j] if j == wrong_at else plain[i + j] for j in range(3)]
         before = lane_state(decoder, lane)
         decoder.states.freeze((lane,))
-        decoder.states.plan_stash([(lane, 0, 4)])
+        decoder.states.plan_stash([(lane, 0, 4)], 4)
         verify = run_round(decoder, kv, [Rows(SCATTERED, lane, [emitted[-1], *drafts], pos)])[0]
         decoder.states.freeze(())
-        decoder.states.plan_stash([])
+        decoder.states.plan_stash([], 4)
         for got, want in zip(lane_state(decoder, lane), before, strict=True):
             assert np.array_equal(got, want), "a frozen lane's state changed in the verify round"
         accepted = 0
@@ -339,10 +339,10 @@ def test_recurrent_states_sizes_zero_and_stash(model):
     delta_bytes = 4 * 3 * 4 * 16 * 16  # gdn layers * Hv * dk * dv
     assert states.bytes_per_lane == conv_bytes + delta_bytes
     assert states.num_bytes == 3 * states.bytes_per_lane  # no copy of any state
-    states.plan_stash([(2, 1, 4), (0, 5, 2)])  # grows to the longest run: 4 rows a lane
+    states.plan_stash([(2, 1, 4), (0, 5, 2)], 7)  # grows to the longest run: 4 rows a lane
     row_bytes = 4 * 3 * ((2 * 2 * 16 + 4 * 16) + 2 * 4)  # gdn layers * (C + 2 Hv)
     assert states.stash_bytes_per_lane == 4 * row_bytes
-    assert states.num_bytes == 3 * (states.bytes_per_lane + 4 * row_bytes)
+    assert states.num_bytes == 3 * states.bytes_per_lane + 4 * 4 * row_bytes  # + discard lane
     width = 2 * 2 * 16 + 4 * 16
     qkv = np.arange(7 * width, dtype=np.float32).reshape(7, width)
     g, beta = -np.arange(7 * 4, dtype=np.float32).reshape(7, 4), np.ones((7, 4), np.float32)
@@ -350,6 +350,9 @@ def test_recurrent_states_sizes_zero_and_stash(model):
     assert np.array_equal(states.stashed[1, 2, :, :width], qkv[1:5])
     assert np.array_equal(states.stashed[1, 0, :2, width:width + 4], g[5:7])
     assert not states.stashed[0].any() and not states.stashed[1, 1].any()
+    assert np.array_equal(states.stashed[1, 3, 0, :width], qkv[0])  # row 0: discard lane
+    with pytest.raises(ValueError, match="outside a batch of 6 rows"):
+        states.plan_stash([(2, 1, 4), (0, 5, 2)], 6)
     states.conv[...] = 1.0
     states.delta[...] = 2.0
     states.zero(2)

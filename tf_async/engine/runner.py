@@ -138,7 +138,7 @@ class Runner:
             if rows.draft_ids:
                 runs.append((rows.lane, row, len(rows.token_ids)))
             row += len(rows.token_ids)
-        self.states.plan_stash(runs)
+        self.states.plan_stash(runs, row)
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Run the round; if it fails, run each stream alone so one bad request fails alone."""

@@ -13,11 +13,18 @@ at most `max_rows` rows; anything else (prompt steps) runs eagerly, as do new sh
 
 Hybrids (Qwen3.5/3.6, HybridDecoder): the lanes' recurrent states are addressed through the
 round's lane table (`seq_lanes`, a section of the static buffer), so one graph serves any set
-of lanes; the kernels read the `frozen` flags from the states' own array at replay. Rounds that
-stash verify rows (drafts to verify) run eagerly, as do MoE rounds with enough slots for the
-sorted-by-expert path (its sort is not captured). A capture that fails leaves that shape
-eager (the round's outputs are the eager forward's either way). The static block table
-is as wide as the arena has pages; attention reads only the entries a row's position needs
+of lanes; the kernels read the `frozen` flags from the states' own array at replay. MoE rounds
+with enough slots for the sorted-by-expert path run eagerly (its sort is not captured). A
+capture that fails leaves that shape eager (the round's outputs are the eager forward's either
+way).
+
+Verify rounds (CAPTURE_VERIFY_ROUNDS): a hybrid round that stashes its frozen rows reads the
+stash plan from the states' plan buffer (one entry a batch row), and a round that wants every
+row's hidden (the MTP drafter) returns the graph's hidden rows when every row is a logit row,
+in order (the final norm is a per-row op: the same bits). Off until the GPU tests have run it
+(tests/test_gpu_qwen35.py turns it on); off, those rounds run eagerly.
+
+The static block table is as wide as the arena has pages; attention reads only the entries a row's position needs
 (positions are checked against the round's own width), so the padding never changes a value.
 
 The static inputs are one packed buffer (models/batch_io.py). A batch from `pack_batch`
@@ -56,6 +63,8 @@ from .qwen35 import HybridDecoder, RecurrentStates
 
 log = logging.getLogger(__name__)
 
+CAPTURE_VERIFY_ROUNDS = False  # rounds that stash verify rows or want every row's hidden
+
 
 @dataclass(slots=True)
 class _Captured:
@@ -71,6 +80,7 @@ class _Captured:
     kv: Array = None
     kv_scales: Array = None
     states: RecurrentStates | None = None  # hybrids: the store whose arrays the graph addresses
+    stash: tuple[Array, ...] = ()  # hybrids: the stash arrays it addresses (held, as kv is)
     graph: Any = None
     logits: Array = None
     hidden: Array = None
@@ -98,6 +108,7 @@ class GraphDecoder:
         self.programmatic = programmatic
         self._graphs: dict[tuple[int, ...], _Captured | None] = {}  # None: eager (capture failed)
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
+        self.num_verify_replays = 0  # of which rounds that stashed verify rows
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
 
     @property
@@ -123,14 +134,14 @@ class GraphDecoder:
                 all_hidden: bool = False) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         self._greedy = None
-        if all_hidden:  # every row's hidden: not what a graph captures
+        if all_hidden and not _hidden_is_every_row(batch):
             return self.decoder.forward(batch, kv, kv_scales, all_hidden=True)
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
         seqs, width = (int(n) for n in batch.block_table.shape)
         if (not decode_shaped or not self._capturable(batch)
                 or width > kv.shape[2] // batch.page_size):  # wider than the static table
-            return self.decoder.forward(batch, kv, kv_scales)
+            return self.decoder.forward(batch, kv, kv_scales, all_hidden=all_hidden)
         if self.ops.device_checks:  # False inside unchecked(): the caller checked (the runner)
             packed = packed_of(batch)
             if packed is not None:
@@ -142,26 +153,29 @@ class GraphDecoder:
         states = self.states
         if states is not None and isinstance(self.decoder, HybridDecoder):
             self.decoder.row_lanes(batch, states, check_only=True)  # the graph reads the table
-        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales), id(states))
+        stash = states.graph_inputs() if states is not None else ()
+        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales), id(states),
+               *(id(a) for a in stash))
         if key in self._graphs:
             captured = self._graphs[key]
             if captured is None:  # its capture failed: this shape runs eagerly
-                return self.decoder.forward(batch, kv, kv_scales)
+                return self.decoder.forward(batch, kv, kv_scales, all_hidden=all_hidden)
+            self.num_verify_replays += bool(stash)
             return self._replay(captured, batch)
         if len(self._graphs) >= self.max_graphs:
-            return self.decoder.forward(batch, kv, kv_scales)
+            return self.decoder.forward(batch, kv, kv_scales, all_hidden=all_hidden)
         made, outputs = self._capture(batch, kv, kv_scales)
         self._graphs[key] = made
         return outputs
 
     def _capturable(self, batch: ForwardBatch) -> bool:
-        """Dense rounds without a lane table; hybrid rounds with one that stash nothing (no
-        drafts to verify) and hand out no captured layers."""
+        """Dense rounds without a lane table; hybrid rounds with one that hand out no captured
+        layers and stash nothing (no drafts to verify) unless CAPTURE_VERIFY_ROUNDS."""
         states = self.states
         if states is None:
             return batch.seq_lanes is None
-        return (batch.seq_lanes is not None and states.stash_plan is None
-                and not batch.capture_layers)
+        return (batch.seq_lanes is not None and not batch.capture_layers
+                and (states.stash_plan is None or CAPTURE_VERIFY_ROUNDS))
 
     # ------------------------------------------------------------------ replay
     def _replay(self, cap: _Captured, batch: ForwardBatch) -> tuple[Array, Array]:
@@ -187,8 +201,10 @@ class GraphDecoder:
         caller = xp.cuda.get_current_stream()
         # A blocking stream: ordered with the legacy default stream the engine uses.
         layout, buffer, static = _static_batch(xp, batch, kv)
+        states = self.states
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
-                        static, kv, kv_scales, self.states)
+                        static, kv, kv_scales, states,
+                        states.graph_inputs() if states is not None else ())
         cap.stream.wait_event(caller.record())
         with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():
             _load(xp, cap, batch)
@@ -241,6 +257,19 @@ class GraphDecoder:
         if bool(xp.any(xp.stack(bad))):
             raise BadInputError(f"decode round: an index is out of range (vocab, {num_slots} slots, "
                                 f"{num_pages} pages, {seqs} streams, {rows} rows)")
+
+
+def _hidden_is_every_row(batch: ForwardBatch) -> bool:
+    """Whether forward(all_hidden=True)'s hidden rows are the logit rows' (CAPTURE_VERIFY_ROUNDS
+    on, no captured layers, every row a logit row in order: checked on the packed host copy)."""
+    if not CAPTURE_VERIFY_ROUNDS or batch.capture_layers:
+        return False
+    packed = packed_of(batch)
+    if packed is None:
+        return False
+    logit_rows = packed.host_views.logit_rows
+    return bool(logit_rows.shape[0] == packed.layout.rows
+                and np.array_equal(logit_rows, np.arange(packed.layout.rows)))
 
 
 def _outside(xp: Any, values: Array, high: int) -> Array:

@@ -200,12 +200,15 @@ _WEIGHT_TYPES = (GatedAttentionWeights, DeltaNetWeights, DenseFfnWeights, MoeFfn
 # per-lane recurrent state
 
 
-class StashPlan(NamedTuple):
-    """Where a forward's frozen rows go in the stash (int64 device arrays, one entry a row)."""
+PLAN_ROWS = 256  # batch rows the stash plan buffer holds before it grows
 
-    rows: Array  # the row in the batch
-    lanes: Array  # its lane
-    positions: Array  # its place among the lane's stashed rows
+
+class StashPlan(NamedTuple):
+    """Where each row of a forward goes in the stash (int64 device arrays, one entry a batch
+    row: views of RecurrentStates.plan_buffer, so a captured graph reads the round's plan)."""
+
+    lanes: Array  # the row's lane; rows not stashed go to the discard lane (num_lanes)
+    positions: Array  # its place among the lane's stashed rows (0 for discarded rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +249,7 @@ class LaneStates(Protocol):
 
     def zero(self, lane: int) -> None: ...
     def freeze(self, lanes: tuple[int, ...]) -> None: ...
-    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None: ...
+    def plan_stash(self, runs: list[tuple[int, int, int]], num_rows: int) -> None: ...
     def add_prefix_slots(self, num_slots: int) -> None: ...
     def keep(self, lane: int, slot: int) -> None: ...
     def resume(self, slot: int, lane: int) -> None: ...
@@ -281,13 +284,19 @@ class RecurrentStates:
         self._frozen_lanes: tuple[int, ...] = ()
         self.stash_width = self.layout.stash_width
         self.stash_rows = 0  # rows a lane the stash holds (grown to the longest verify run)
-        self.stashed: Array = self._zeros((0, self.stash_width))
+        self.stashed: Array = self._stash_zeros(0)
         self.stash_plan: StashPlan | None = None  # this forward's rows to stash
+        self.plan_buffer: Array = xp.zeros((2, PLAN_ROWS), np.int64)  # the plan's home
         self.kept_conv: Array | None = None  # prefix-cache slots (add_prefix_slots)
         self.kept_delta: Array | None = None
 
     def _zeros(self, per_lane: tuple[int, ...]) -> Array:
         shape = (self.layout.num_gdn_layers, self.layout.num_lanes, *per_lane)
+        return self.xp.zeros(shape, dtype=np.float32)
+
+    def _stash_zeros(self, rows: int) -> Array:
+        """[gdn_layers, lanes + 1, rows, width]: the last lane takes the rows not stashed."""
+        shape = (self.layout.num_gdn_layers, self.layout.num_lanes + 1, rows, self.stash_width)
         return self.xp.zeros(shape, dtype=np.float32)
 
     @property
@@ -306,8 +315,9 @@ class RecurrentStates:
 
     @property
     def num_bytes(self) -> int:
-        """Everything allocated: live state and the verify stash of every lane."""
-        return self.num_lanes * (self.bytes_per_lane + self.stash_bytes_per_lane)
+        """Everything allocated: live state and the verify stash of every lane (and of the
+        discard lane)."""
+        return self.num_lanes * self.bytes_per_lane + (self.num_lanes + 1) * self.stash_bytes_per_lane
 
     def zero(self, lane: int) -> None:
         """A lane opens: its stream starts from zero conv and delta state."""
@@ -326,35 +336,49 @@ class RecurrentStates:
         self.frozen[...] = self.xp.asarray(flags)
         self._frozen_lanes = lanes
 
-    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None:
-        """The next forward's frozen rows, (lane, first row in the batch, rows) each: every
-        GDN layer stashes them at [layer, lane, 0..rows). Grows the stash when a run is longer
-        than any before (pending commits have run by then: it holds nothing yet)."""
+    def plan_stash(self, runs: list[tuple[int, int, int]], num_rows: int) -> None:
+        """The next forward's frozen rows, (lane, first row in the batch, rows) each, in a batch
+        of `num_rows` rows: every GDN layer stashes them at [layer, lane, 0..rows), the other
+        rows in the discard lane. Grows the stash when a run is longer than any before (pending
+        commits have run by then: it holds nothing yet)."""
         if not runs:
             self.stash_plan = None
             return
         self._check_lanes([lane for lane, _, _ in runs])
+        if any(first < 0 or count < 1 or first + count > num_rows for _, first, count in runs):
+            raise ValueError(f"RecurrentStates: stash runs {runs} outside a batch of {num_rows} rows")
         longest = max(count for _, _, count in runs)
         if longest > self.stash_rows:
             self.stash_rows = longest
-            self.stashed = self._zeros((longest, self.stash_width))
-        src = [first + i for _, first, count in runs for i in range(count)]
-        lanes = [lane for lane, _, count in runs for _ in range(count)]
-        pos = [i for _, _, count in runs for i in range(count)]
-        xp = self.xp
-        self.stash_plan = StashPlan(*(xp.asarray(np.asarray(a, np.int64)) for a in (src, lanes, pos)))
+            self.stashed = self._stash_zeros(longest)
+        plan = np.zeros((2, num_rows), np.int64)
+        plan[0] = self.num_lanes  # the discard lane
+        for lane, first, count in runs:
+            plan[0, first:first + count] = lane
+            plan[1, first:first + count] = np.arange(count)
+        if num_rows > self.plan_buffer.shape[1]:
+            self.plan_buffer = self.xp.zeros((2, max(num_rows, 2 * self.plan_buffer.shape[1])),
+                                             np.int64)
+        self.plan_buffer[:, :num_rows] = self.xp.asarray(plan)
+        self.stash_plan = StashPlan(self.plan_buffer[0, :num_rows], self.plan_buffer[1, :num_rows])
 
     def stash(self, slot: int, qkv: Array, g: Array, beta: Array) -> None:
-        """GDN layer `slot` of a forward: its frozen rows' pre-conv inputs and gates."""
+        """GDN layer `slot` of a forward: every row's pre-conv input and gates, at its planned
+        place (frozen rows) or in the discard lane (the others)."""
         plan = self.stash_plan
         if plan is None:
             return
         width = qkv.shape[1]
         heads = g.shape[1]
         dst = self.stashed[slot]
-        dst[plan.lanes, plan.positions, :width] = qkv[plan.rows]
-        dst[plan.lanes, plan.positions, width:width + heads] = g[plan.rows]
-        dst[plan.lanes, plan.positions, width + heads:] = beta[plan.rows]
+        dst[plan.lanes, plan.positions, :width] = qkv
+        dst[plan.lanes, plan.positions, width:width + heads] = g
+        dst[plan.lanes, plan.positions, width + heads:] = beta
+
+    def graph_inputs(self) -> tuple[Array, ...]:
+        """The arrays a captured forward addresses besides the lanes' states: a graph is valid
+        while they are these very arrays (the stash and the plan buffer grow by replacement)."""
+        return (self.stashed, self.plan_buffer) if self.stash_plan is not None else ()
 
     # ---- prefix-cache slots: states kept at page boundaries (engine/prefix.StateSlots) ----
     def add_prefix_slots(self, num_slots: int) -> None:

@@ -162,8 +162,8 @@ class ShardedStates:
     def freeze(self, lanes: tuple[int, ...]) -> None:
         self.group.each(lambda r: self.ranks[r].freeze(lanes))
 
-    def plan_stash(self, runs: list[tuple[int, int, int]]) -> None:
-        self.group.each(lambda r: self.ranks[r].plan_stash(runs))
+    def plan_stash(self, runs: list[tuple[int, int, int]], num_rows: int) -> None:
+        self.group.each(lambda r: self.ranks[r].plan_stash(runs, num_rows))
 
     def add_prefix_slots(self, num_slots: int) -> None:
         self.group.each(lambda r: self.ranks[r].add_prefix_slots(num_slots))
