@@ -218,12 +218,14 @@ class ForcedDrafts:
         return getattr(self.inner, name)
 
     def propose(self, seq, limit: int) -> tuple[int, ...]:
-        self.inner.propose(seq, limit)  # the MTP's k steps run (and keep its ring in sync)
+        drafts = self.inner.propose(seq, limit)  # the MTP's k steps run (its ring in sync)
         count = min(limit, self.inner.draft_tokens)
         if count <= 0:
             return ()
         done = len(seq.output_ids)
-        right = self.truth[tuple(seq.prompt_ids)][done:done + count]
+        right = self.truth.get(tuple(seq.prompt_ids), [])[done:done + count]
+        if not right:  # no plain run of this prompt: the MTP's own drafts
+            return drafts
         return tuple(right if self.full else [(t + 1) % self.vocab for t in right])
 
 
@@ -237,6 +239,8 @@ class Run:
     tokens_per_round: float  # per stream
     outputs: list[list[int]]
     memory: dict[str, Any]
+    truth: dict[tuple[int, ...], list[int]]  # every prompt's output, warm-up's included
+    graphs: dict[str, int]  # graph replays and captures in the timed window
 
 
 async def timed_generate(eng, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, int, list]:  # noqa: E501
@@ -264,9 +268,11 @@ async def timed_generate(eng, prompts: list[list[int]], max_tokens: int) -> tupl
     return t1 - t0, window, int(eng.stats()["rounds"]) - start_rounds[0], outs
 
 
-async def decode_run(ckpt, name: str, streams: int, mode: str, args, truth) -> Run:
+async def decode_run(ckpt, name: str, streams: int, mode: str, args,
+                     truth: dict[tuple[int, ...], list[int]]) -> Run:
     """One engine, `streams` random prompts at once; mode plain | mtp | forced-full |
-    forced-zero (forced modes need `truth`, the plain outputs of the same prompts)."""
+    forced-zero (forced modes need `truth`: the plain outputs of the warm-up's and the timed
+    run's prompts)."""
     from tf_async import Engine
 
     rng = np.random.default_rng(streams)
@@ -276,20 +282,37 @@ async def decode_run(ckpt, name: str, streams: int, mode: str, args, truth) -> R
     async with Engine(ckpt, device=args.device, parallel=streams, ctx=args.ctx, kv_dtype=args.kv,
                       step_tokens=max(512, streams * args.prompt_tokens), page_size=16,
                       drafter=drafter, draft_tokens=args.draft_tokens) as eng:
-        # JIT and warm-up: every stream at once, so the round shapes of the timed run (and
-        # their CUDA graphs) exist before it starts.
-        warm = [[(t + 1) % ckpt.config.vocab_size for t in p] for p in prompts]  # not cached
-        await asyncio.gather(*(eng.complete(p, max_tokens=4, ignore_eos=True) for p in warm))
         if mode.startswith("forced"):
             sched = eng.parts.scheduler
-            sched.drafter = ForcedDrafts(sched.drafter, dict(zip(map(tuple, prompts), truth,
-                                                                 strict=True)),
-                                         mode == "forced-full", ckpt.config.vocab_size)
+            sched.drafter = ForcedDrafts(sched.drafter, truth, mode == "forced-full",
+                                         ckpt.config.vocab_size)
+        # JIT, warm-up and every CUDA graph of the timed run's round shapes: the same run on
+        # other prompts (not cached), every stream at once, as long as the timed one.
+        warm = [[(t + 1) % ckpt.config.vocab_size for t in p] for p in prompts]
+        *_, warm_outs = await timed_generate(eng, warm, args.max_tokens)
+        graphs_before = graph_counts(eng)
         seconds, tokens, rounds, outs = await timed_generate(eng, prompts, args.max_tokens)
+        graphs = {k: v - graphs_before.get(k, 0) for k, v in graph_counts(eng).items()}
         memory = {k: v for k, v in eng.stats().items() if "bytes" in k}
     per_round = tokens / max(rounds, 1) / streams
     return Run(name, streams, mode, tokens / seconds, 1e3 * seconds / max(rounds, 1), per_round,
-               outs, memory)
+               outs, memory, {**dict(zip(map(tuple, prompts), outs, strict=True)),
+                              **dict(zip(map(tuple, warm), warm_outs, strict=True))}, graphs)
+
+
+def graph_counts(eng) -> dict[str, int]:
+    """Replays and captures of the target's graphs and the MTP head's (timed window: the
+    difference of two readings)."""
+    decoder = eng.parts.runner.decoder
+    counts = {"replays": getattr(decoder, "num_replays", 0),
+              "verify_replays": getattr(decoder, "num_verify_replays", 0),
+              "shapes": len(getattr(decoder, "_graphs", {}))}
+    drafter = getattr(eng.parts.scheduler, "drafter", None)
+    head_graphs = getattr(getattr(getattr(drafter, "inner", drafter), "head", None), "graphs", None)
+    if head_graphs is not None:
+        counts["mtp_replays"] = head_graphs.num_replays
+        counts["mtp_captures"] = head_graphs.num_captures
+    return counts
 
 
 async def bench_model(cp, name: str, args) -> list[Run]:
@@ -299,20 +322,20 @@ async def bench_model(cp, name: str, args) -> list[Run]:
           f"{time.perf_counter() - t:.1f} s", flush=True)
     runs: list[Run] = []
     for streams in args.streams:
-        truth: list[list[int]] | None = None
+        truth: dict[tuple[int, ...], list[int]] = {}
         for mode in args.modes:
             try:
                 run = await decode_run(ckpt, name, streams, mode, args, truth)
             except Exception:  # noqa: BLE001 - report and go on with the next case
                 print(f"{name} x{streams} {mode}: FAILED\n{traceback.format_exc()}", flush=True)
                 continue
-            truth = run.outputs if mode == "plain" else truth
-            if mode != "plain" and truth is not None:
-                same = run.outputs == truth
+            truth = run.truth if mode == "plain" else truth
+            if mode != "plain" and truth:
+                same = all(truth[k] == v for k, v in run.truth.items())
                 print(f"  {name} x{streams} {mode}: drafted == plain: {same}", flush=True)
             print(f"  {name} x{streams} {mode}: {run.tokens_per_s:.1f} tok/s, "
-                  f"{run.round_ms:.2f} ms/round, {run.tokens_per_round:.2f} tok/round/stream",
-                  flush=True)
+                  f"{run.round_ms:.2f} ms/round, {run.tokens_per_round:.2f} tok/round/stream; "
+                  f"graphs in the window {run.graphs}", flush=True)
             runs.append(run)
     return runs
 
@@ -348,7 +371,14 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a check of this script on the tiny shapes (--models tiny)")
+    parser.add_argument("--capture-verify", action="store_true",
+                        help="replay verify and MTP rounds from CUDA graphs too (graph_decoder's"
+                        " CAPTURE_VERIFY_ROUNDS)")
     args = parser.parse_args()
+    if args.capture_verify:
+        from tf_async.models import graph_decoder
+
+        graph_decoder.CAPTURE_VERIFY_ROUNDS = True
     memory_report(args.parallel, [int(c) for c in args.contexts.split(",")])
     if args.memory_only:
         return

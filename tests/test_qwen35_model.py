@@ -453,6 +453,8 @@ def test_the_mtp_head_is_a_decoder(model):
     tokens = np.asarray(PROMPT[1:] + [4], np.int64)
     positions = np.arange(len(PROMPT), dtype=np.int64)
     via_rows = MtpHead(model.decoder).rows(tokens, positions, hidden, new_ring(model.decoder))
-    batch = MtpHead(model.decoder)._ring_batch(positions, new_ring(model.decoder), tokens, hidden, None)
+    other, ring = MtpHead(model.decoder), new_ring(model.decoder)
+    batch = other._ring_batch(other._ring_inputs(positions, ring, tokens, None),
+                              int(ring.shape[2]), hidden)
     via_forward = head.forward(batch, new_ring(model.decoder), None)
     assert all(np.array_equal(a, b) for a, b in zip(via_rows, via_forward, strict=True))

@@ -58,12 +58,13 @@ import numpy as np
 from ..backend.base import Array, GraphOps, graph_ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch, Layout, check_indices, packed_of
+from .call_graphs import relaxed_capture_mode
 from .decoder import Decoder
 from .qwen35 import HybridDecoder, RecurrentStates
 
 log = logging.getLogger(__name__)
 
-CAPTURE_VERIFY_ROUNDS = False  # rounds that stash verify rows or want every row's hidden
+CAPTURE_VERIFY_ROUNDS = True  # rounds that stash verify rows or want every row's hidden
 
 
 @dataclass(slots=True)
@@ -231,7 +232,7 @@ class GraphDecoder:
         if self.programmatic:
             cap.graph = self.ops.capture_programmatic(cap.stream, record)
         if cap.graph is None:
-            cap.stream.begin_capture(mode=_relaxed(self.ops.xp))
+            cap.stream.begin_capture(mode=relaxed_capture_mode(self.ops.xp))
             try:
                 record()
             finally:
@@ -274,11 +275,6 @@ def _hidden_is_every_row(batch: ForwardBatch) -> bool:
 
 def _outside(xp: Any, values: Array, high: int) -> Array:
     return xp.any((values < 0) | (values >= high))
-
-
-def _relaxed(xp: Any) -> Any:
-    # Relaxed capture: a pool growing (cudaMalloc) during capture is not an error.
-    return getattr(xp.cuda.runtime, "streamCaptureModeRelaxed", None)
 
 
 def _captured_rows(decoder: Decoder | HybridDecoder, max_rows: int) -> int:

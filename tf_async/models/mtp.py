@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend.base import Array, Ops
+from ..backend.base import Array, Ops, graph_ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch
+from .call_graphs import CallGraphs
 from .graph_decoder import GraphDecoder
 from .protocol import DecoderProtocol
-from .qwen35 import HybridDecoder, HybridWeights, MtpWeights
+from .qwen35 import GatedAttentionWeights, HybridDecoder, HybridWeights, MtpWeights
 
 
 class MtpHead:
     """The checkpoint's MTP layer as a Decoder (models/protocol.py): `forward(batch, ring,
     kv_scales)` with the target's hidden rows in `batch.hidden_in` and its K/V in the
-    drafter's ring; `rows(...)` builds that batch for one stream's slots."""
+    drafter's ring; `rows(...)` builds that batch for one stream's slots and `write_slots`
+    writes committed slots' K/V. With `graphs` (CUDA), both replay CUDA graphs keyed by the
+    ring's address and the call's shape (models/call_graphs.py): the same kernels, the same
+    bits, without ~40 launches from Python a call."""
 
-    def __init__(self, decoder: HybridDecoder):
+    def __init__(self, decoder: HybridDecoder, *, graphs: bool = False):
         weights = decoder.weights
         if weights.mtp is None:
             raise BadInputError(
@@ -43,6 +47,8 @@ class MtpHead:
         self.config = decoder.config
         self.mtp: MtpWeights = weights.mtp
         self._unit_scales = decoder.ops.asarray(np.ones((1, 2), np.float32))
+        capture = graph_ops(decoder.ops) if graphs else None
+        self.graphs = CallGraphs(capture) if capture is not None else None
 
     # ---- the Decoder protocol ------------------------------------------------------------
     @property
@@ -95,33 +101,103 @@ class MtpHead:
         """forward() of one stream's slots: token_ids [n] int64 (x_{s+1}); positions [n]
         int64 (slots s, ascending); hidden [n, H] float32 (h_s); ring [1, 2, capacity, nkv,
         hd]; kv_scales [1, 2] (None: 1.0). Returns (logits [m, V] of `logit_rows` (default
-        every row), normed output h' [n, H])."""
-        batch = self._ring_batch(positions, ring, token_ids, hidden, logit_rows)
-        return self.forward(batch, ring, kv_scales)
-
-    def _ring_batch(self, positions: Array, ring: Array, token_ids: Array, hidden: Array,
-                    logit_rows: Array | None) -> ForwardBatch:
-        """Every ring page is page 0: position p reads and writes row p % capacity."""
+        every row), normed output h' [n, H]). Host (NumPy) token ids and positions cost no
+        sync."""
         capacity = int(ring.shape[2])
-        pos = np.asarray(self.ops.to_host(positions), np.int64)
-        num_rows = int(pos.shape[0])
-        num_pages = int(pos.max()) // capacity + 1 if num_rows else 1
-        put = self.ops.asarray
-        every = put(np.arange(num_rows, dtype=np.int64))
-        return ForwardBatch(put(np.asarray(self.ops.to_host(token_ids), np.int64)), put(pos),
-                            put(pos % capacity), put(np.zeros(num_rows, np.int32)),
-                            put(np.zeros((1, num_pages), np.int32)),
-                            every if logit_rows is None else put(logit_rows), capacity,
+        ints = self._ring_inputs(positions, ring, token_ids, logit_rows)
+        num_rows, num_pages = int(ints[0].shape[0]), int(ints[4].shape[1])
+        scales = self._unit_scales if kv_scales is None else kv_scales
+        inputs = (*ints, hidden)
+
+        def run(tokens: Array, pos: Array, slots: Array, row_seq: Array, table: Array,
+                chosen: Array, hidden_in: Array) -> tuple[Array, Array]:
+            batch = ForwardBatch(tokens, pos, slots, row_seq, table, chosen, capacity,
+                                 hidden_in=hidden_in)
+            return self.forward(batch, ring, scales)
+
+        if self.graphs is None or num_rows == 0:
+            return self.forward(self._ring_batch(ints, capacity, hidden), ring, scales)
+        key = ("rows", *_address(ring), *_address(scales), num_rows, num_pages, len(ints[5]))
+        logits, out = self.graphs(key, run, inputs, holds=(ring, scales))
+        return logits, out
+
+    def _ring_batch(self, ints: tuple[np.ndarray, ...], capacity: int, hidden: Array
+                    ) -> ForwardBatch:
+        """The batch of `_ring_inputs` on the device."""
+        tokens, pos, slots, row_seq, table, chosen = (self.ops.asarray(a) for a in ints)
+        return ForwardBatch(tokens, pos, slots, row_seq, table, chosen, capacity,
                             hidden_in=hidden)
+
+    def _ring_inputs(self, positions: Array, ring: Array, token_ids: Array,
+                     logit_rows: Array | None) -> tuple[np.ndarray, ...]:
+        """The ring batch's index arrays on the host (every ring page is page 0: position p
+        reads and writes row p % capacity): token ids, positions, slots, row_seq,
+        block table (every page is page 0), logit rows (default every row)."""
+        pos = _host_int64(self.ops, positions)
+        num_rows = int(pos.shape[0])
+        num_pages = int(pos.max()) // int(ring.shape[2]) + 1 if num_rows else 1
+        chosen = (np.arange(num_rows, dtype=np.int64) if logit_rows is None
+                  else _host_int64(self.ops, logit_rows))
+        return (_host_int64(self.ops, token_ids), pos, pos % int(ring.shape[2]),
+                np.zeros(num_rows, np.int32), np.zeros((1, num_pages), np.int32), chosen)
+
+    def write_slots(self, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
+                    kv_scales: Array) -> None:
+        """The K/V of MTP slots first_pos.. into the ring: the part of forward() that later
+        slots read (same ops, so the same bits); no FFN and no LM head for committed slots.
+        hidden: [len(token_ids), H]."""
+        rows = len(token_ids)
+        pos = np.arange(first_pos, first_pos + rows, dtype=np.int64)
+        inputs = (np.asarray(token_ids, np.int64), pos, pos % int(ring.shape[2]), hidden)
+
+        def run(tokens: Array, positions: Array, slots: Array, hidden_in: Array) -> tuple[()]:
+            self._slot_kv(tokens, positions, slots, hidden_in, ring, kv_scales)
+            return ()
+
+        if self.graphs is None or rows == 0:
+            put = self.ops.asarray
+            run(put(inputs[0]), put(inputs[1]), put(inputs[2]), hidden)
+            return
+        key = ("write", *_address(ring), *_address(kv_scales), rows)
+        self.graphs(key, run, inputs, holds=(ring, kv_scales))
+
+    def _slot_kv(self, tokens: Array, positions: Array, slots: Array, hidden: Array,
+                 ring: Array, kv_scales: Array) -> None:
+        ops, w, cfg = self.ops, self.mtp, self.config
+        eps, rows = cfg.rms_norm_eps, int(tokens.shape[0])
+        emb = ops.rms_norm(ops.embed(self.weights.embed, tokens), w.pre_fc_norm_embedding, eps)
+        u = ops.linear(ops.xp.concatenate([emb, ops.rms_norm(hidden, w.pre_fc_norm_hidden, eps)],
+                                          axis=-1), w.fc)
+        a = ops.rms_norm(u, w.layer.input_norm, eps)
+        attn = w.layer.mixer
+        assert isinstance(attn, GatedAttentionWeights), "the MTP layer is a full-attention layer"
+        k = ops.rms_norm(ops.linear(a, attn.k).reshape(rows, cfg.num_kv_heads, cfg.head_dim),
+                         attn.k_norm, eps)
+        v = ops.linear(a, attn.v).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
+        ops.rope(k, positions, self.decoder.inv_freq, self.decoder.mscale)
+        ops.kv_write(ring, 0, k, v, slots, kv_scales)
+
+
+def _host_int64(ops: Ops, values: Array) -> np.ndarray:
+    """Indices as host int64 (a NumPy array as it is; a device one costs a sync)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.int64, copy=False)
+    return np.asarray(ops.to_host(values), np.int64)
+
+
+def _address(array: Array) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:
+    """What a graph addressing `array` depends on: its device pointer, shape, strides, dtype."""
+    return int(array.data.ptr), tuple(array.shape), tuple(array.strides), str(array.dtype)
 
 
 def make_mtp_head(decoder: DecoderProtocol) -> MtpHead:
     """The MTP head of a hybrid decoder; BadInputError naming why when the checkpoint has none
     (not declared, declared but no mtp.* weights shipped, or unsupported)."""
-    if isinstance(decoder, GraphDecoder):  # the head runs eagerly on the trunk's weights
+    graphs = isinstance(decoder, GraphDecoder)  # the trunk's rounds replay graphs: so do the head's
+    if isinstance(decoder, GraphDecoder):
         decoder = decoder.decoder
     if not isinstance(decoder, HybridDecoder):
         raise BadInputError(f"--drafter mtp: model {decoder.config.name!r} "
                             f"({decoder.config.arch}) is not a Qwen3.5 hybrid with an MTP layer",
                             param="drafter")
-    return MtpHead(decoder)
+    return MtpHead(decoder, graphs=graphs)

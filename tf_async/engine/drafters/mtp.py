@@ -24,7 +24,7 @@ from ...backend.base import Array
 from ...errors import BadInputError
 from ...models.batch_io import ForwardBatch
 from ...models.mtp import MtpHead, make_mtp_head
-from ...models.qwen35 import GatedAttentionWeights, HybridWeights, MtpWeights
+from ...models.qwen35 import HybridWeights, MtpWeights
 from ..area import KV_NP_DTYPE, AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
@@ -77,10 +77,8 @@ class MtpDrafter(ContextDrafter):
               ) -> tuple[Array, Array]:
         """One MTP slot at `pos`; (logits [1, V] and normed output [1, H], on the device)."""
         assert ctx.views is not None
-        put = self.ops.asarray
-        logits, out = self.head.rows(put(np.asarray([token], np.int64)),
-                                     put(np.asarray([pos], np.int64)), hidden,
-                                     ctx.views.ring, self.kv_scales)
+        logits, out = self.head.rows(np.asarray([token], np.int64), np.asarray([pos], np.int64),
+                                     hidden, ctx.views.ring, self.kv_scales)
         return logits, out
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
@@ -109,8 +107,8 @@ class MtpDrafter(ContextDrafter):
             rows_h = hidden[first - start_pos: hi - start_pos]
             if ctx.has_state:
                 rows_h = self.ops.xp.concatenate([ctx.views.state[None], rows_h])
-            write_slots(self.head, seq.token_slice(lo + 1, hi + 1), lo, rows_h, ctx.views.ring,
-                        self.kv_scales)
+            self.head.write_slots(list(seq.token_slice(lo + 1, hi + 1)), lo, rows_h,
+                                  ctx.views.ring, self.kv_scales)
         ctx.views.state[...] = hidden[hi - start_pos]
         ctx.num_valid, ctx.has_state = hi, True
         self._keep(ctx, seq, hidden, start_pos, valid_end)
@@ -134,30 +132,6 @@ class MtpDrafter(ContextDrafter):
         self.page_slots.keep(seq, ctx.views.ring, first, ctx.num_valid + 1)
         self.page_slots.keep_hidden(seq, hidden, start_pos, valid_end)
         ctx.num_kept = ctx.num_valid + 1
-
-
-def write_slots(head: MtpHead, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
-                kv_scales: Array) -> None:
-    """The K/V of MTP slots first_pos.. into the ring: the part of MtpHead.forward that later
-    slots read (same ops, so the same bits); no FFN and no LM head for committed slots.
-    hidden: [len(token_ids), H]."""
-    ops, w, cfg = head.ops, head.mtp, head.config
-    eps, rows = cfg.rms_norm_eps, len(token_ids)
-    put = ops.asarray
-    pos = np.arange(first_pos, first_pos + rows, dtype=np.int64)
-    emb = ops.rms_norm(ops.embed(head.decoder.weights.embed, put(np.asarray(token_ids, np.int64))),
-                       w.pre_fc_norm_embedding, eps)
-    u = ops.linear(ops.xp.concatenate([emb, ops.rms_norm(hidden, w.pre_fc_norm_hidden, eps)],
-                                      axis=-1), w.fc)
-    a = ops.rms_norm(u, w.layer.input_norm, eps)
-    attn = w.layer.mixer
-    assert isinstance(attn, GatedAttentionWeights), "the MTP layer is a full-attention layer"
-    k = ops.rms_norm(ops.linear(a, attn.k).reshape(rows, cfg.num_kv_heads, cfg.head_dim),
-                     attn.k_norm, eps)
-    v = ops.linear(a, attn.v).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
-    device_pos = put(pos)
-    ops.rope(k, device_pos, head.decoder.inv_freq, head.decoder.mscale)
-    ops.kv_write(ring, 0, k, v, put(pos % int(ring.shape[2])), kv_scales)
 
 
 def ready(ctx: DraftContext, seq: Sequence) -> bool:
@@ -234,5 +208,5 @@ def mtp_calibration_ring(head: MtpHead, token_ids: list[int]) -> Array:
                                 states=decoder.new_states(1),
                                 all_hidden=True)
     ring = ops.alloc_kv(1, rows, cfg.num_kv_heads, cfg.head_dim, "f32")
-    write_slots(head, token_ids[1:], 0, hidden[:-1], ring, put(np.ones((1, 2), np.float32)))
+    head.write_slots(token_ids[1:], 0, hidden[:-1], ring, put(np.ones((1, 2), np.float32)))
     return ring
