@@ -29,6 +29,10 @@ import numpy as np
 ENGINE_THREAD = "tf-async-engine"
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of the process)
 PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "update"))
+# With a drafter: its calls inside schedule (propose) and update (absorb), and the recurrent
+# states' commit of accepted rows (hybrids), timed apart.
+DRAFT_PHASES = (("scheduler.drafter", "propose"), ("scheduler.drafter", "absorb"),
+                ("runner.decoder", "commit_states"))
 
 
 class OpTimer:
@@ -95,6 +99,8 @@ class OpTimer:
             try:
                 return method(*args, **kwargs)
             finally:
+                if timer.sync is not None:  # the phase's device work (graph replays) too
+                    timer.sync()
                 timer.depth = depth
                 timer.seconds[f"phase {name}"] += CLOCK() - start
                 timer.calls[f"phase {name}"] += 1
@@ -131,21 +137,24 @@ def table(timer: OpTimer, rounds: int, wall_s: float, label: str) -> list[str]:
 
 
 async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_tokens: int,
-                  ctx: int) -> list[str]:
+                  ctx: int, drafter: str | None = None) -> list[str]:
     from tf_async import Engine
 
     rng = np.random.default_rng(streams)
     prompts = [rng.integers(3, min(ckpt_vocab(ckpt), 30000), prompt_tokens).tolist()
                for _ in range(streams)]
     async with Engine(ckpt, device=device, parallel=streams, ctx=ctx, page_size=16,
-                      step_tokens=max(512, streams * prompt_tokens)) as eng:
+                      step_tokens=max(512, streams * prompt_tokens), drafter=drafter) as eng:
         parts = eng.parts
         assert parts is not None
         sync = parts.ops.synchronize if device != "cpu" else None
         timer = OpTimer(sync)
         timer.install_ops(parts.ops)
-        for owner_name, method in PHASES:
-            timer.install_phase(getattr(parts, owner_name), method)
+        for owner_path, method in PHASES + (DRAFT_PHASES if drafter else ()):
+            owner: Any = parts
+            for name in owner_path.split("."):
+                owner = getattr(owner, name)
+            timer.install_phase(owner, method)
         await eng.complete(prompts[0], max_tokens=4, ignore_eos=True)  # compile, capture
         first: list[float] = []
 
@@ -191,6 +200,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--drafter", default=None, help="e.g. mtp or ngram: rounds that draft")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: CPU seconds of the process (time.process_time), for a loaded CPU "
                         "machine (run with NUMBA_NUM_THREADS=1)")
@@ -200,7 +210,7 @@ def main() -> None:
     ckpt = load(args.model, args.device)
     for streams in args.streams:
         lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,
-                                    args.prompt_tokens, args.ctx))
+                                    args.prompt_tokens, args.ctx, args.drafter))
         print(f"\n{args.model} on {args.device}")
         print("\n".join(lines), flush=True)
 

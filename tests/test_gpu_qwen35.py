@@ -618,6 +618,7 @@ async def test_verify_rounds_replayed_from_graphs_keep_every_gate(hybrids, name,
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
     graphed = [g for g in made if isinstance(g, graph_decoder.GraphDecoder)]
     assert graphed and sum(g.num_verify_replays for g in graphed) > 0
+    assert sum(g._commits.num_replays for g in graphed if g._commits is not None) > 0
 
 
 @pytest.mark.parametrize("name", ["dense-mlx4", "moe-mlx4"])

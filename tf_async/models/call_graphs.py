@@ -58,13 +58,17 @@ class CallGraphs:
         if key in self._graphs:
             made = self._graphs[key]
             if made is None:
-                return fn(*inputs)
+                return fn(*self._on_device(inputs))
             return self._replay(made, inputs)
         if len(self._graphs) >= self.max_graphs:
-            return fn(*inputs)
+            return fn(*self._on_device(inputs))
         made, outputs = self._capture(fn, inputs, holds)
         self._graphs[key] = made
         return outputs
+
+    def _on_device(self, inputs: tuple[Any, ...]) -> tuple[Array, ...]:
+        """The inputs for an eager call: host arrays uploaded."""
+        return tuple(self.ops.asarray(a) if isinstance(a, np.ndarray) else a for a in inputs)
 
     def _replay(self, made: _Graph, inputs: tuple[Any, ...]) -> tuple[Array, ...]:
         xp = self.ops.xp
@@ -102,6 +106,11 @@ class CallGraphs:
                 log.warning("call not captured (runs eagerly): %s", exc)
         caller.wait_event(self._stream.record())
         return made, outputs
+
+
+def array_address(array: Array) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:
+    """What a graph addressing `array` depends on: its device pointer, shape, strides, dtype."""
+    return int(array.data.ptr), tuple(array.shape), tuple(array.strides), str(array.dtype)
 
 
 def _load(xp: Any, static: tuple[Array, ...], inputs: tuple[Any, ...]) -> None:

@@ -58,9 +58,9 @@ import numpy as np
 from ..backend.base import Array, GraphOps, graph_ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch, Layout, check_indices, packed_of
-from .call_graphs import relaxed_capture_mode
+from .call_graphs import CallGraphs, array_address, relaxed_capture_mode
 from .decoder import Decoder
-from .qwen35 import HybridDecoder, RecurrentStates
+from .qwen35 import HybridDecoder, RecurrentStates, commit_indices
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ class GraphDecoder:
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self.num_verify_replays = 0  # of which rounds that stashed verify rows
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
+        # Hybrids: the commit of accepted draft rows (conv + delta rule over every GDN layer,
+        # ~4 launches a layer) replays a graph a row count.
+        self._commits = CallGraphs(ops) if isinstance(decoder, HybridDecoder) else None
 
     @property
     def states(self) -> RecurrentStates | None:
@@ -118,8 +121,22 @@ class GraphDecoder:
         return self.decoder.states if isinstance(self.decoder, HybridDecoder) else None
 
     def commit_states(self, commits: tuple[tuple[int, int], ...]) -> None:
-        """The wrapped decoder's commits (eager: they run before the round's forward)."""
-        self.decoder.commit_states(commits)
+        """The wrapped decoder's commits (before the round's forward), replayed from a graph
+        keyed by the number of rows and the state arrays' addresses."""
+        states, decoder = self.states, self.decoder
+        if not commits or states is None or self._commits is None:
+            decoder.commit_states(commits)
+            return
+        assert isinstance(decoder, HybridDecoder)
+        lanes, positions = commit_indices(commits, states.stash_rows)
+
+        def run(lane_ids: Array, rows: Array, row_lanes: Array) -> tuple[()]:
+            return decoder.commit_rows(lane_ids, rows, row_lanes, states)
+
+        key = (int(lanes.shape[0]), *array_address(states.conv), *array_address(states.delta),
+               *array_address(states.stashed))
+        self._commits(key, run, (lanes, positions, lanes.astype(np.int32)),
+                      holds=(states.conv, states.delta, states.stashed))
 
     def one_shot(self, batch: ForwardBatch, kv: Array, kv_scales: Array) -> tuple[Array, Array]:
         return self.decoder.one_shot(batch, kv, kv_scales)

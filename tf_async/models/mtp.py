@@ -22,7 +22,7 @@ import numpy as np
 from ..backend.base import Array, Ops, graph_ops
 from ..errors import BadInputError
 from .batch_io import ForwardBatch
-from .call_graphs import CallGraphs
+from .call_graphs import CallGraphs, array_address
 from .graph_decoder import GraphDecoder
 from .protocol import DecoderProtocol
 from .qwen35 import GatedAttentionWeights, HybridDecoder, HybridWeights, MtpWeights
@@ -117,7 +117,7 @@ class MtpHead:
 
         if self.graphs is None or num_rows == 0:
             return self.forward(self._ring_batch(ints, capacity, hidden), ring, scales)
-        key = ("rows", *_address(ring), *_address(scales), num_rows, num_pages, len(ints[5]))
+        key = ("rows", *array_address(ring), *array_address(scales), num_rows, num_pages, len(ints[5]))
         logits, out = self.graphs(key, run, inputs, holds=(ring, scales))
         return logits, out
 
@@ -158,7 +158,7 @@ class MtpHead:
             put = self.ops.asarray
             run(put(inputs[0]), put(inputs[1]), put(inputs[2]), hidden)
             return
-        key = ("write", *_address(ring), *_address(kv_scales), rows)
+        key = ("write", *array_address(ring), *array_address(kv_scales), rows)
         self.graphs(key, run, inputs, holds=(ring, kv_scales))
 
     def _slot_kv(self, tokens: Array, positions: Array, slots: Array, hidden: Array,
@@ -183,11 +183,6 @@ def _host_int64(ops: Ops, values: Array) -> np.ndarray:
     if isinstance(values, np.ndarray):
         return values.astype(np.int64, copy=False)
     return np.asarray(ops.to_host(values), np.int64)
-
-
-def _address(array: Array) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:
-    """What a graph addressing `array` depends on: its device pointer, shape, strides, dtype."""
-    return int(array.data.ptr), tuple(array.shape), tuple(array.strides), str(array.dtype)
 
 
 def make_mtp_head(decoder: DecoderProtocol) -> MtpHead:

@@ -553,14 +553,16 @@ class HybridDecoder:
         states = states if states is not None else self.states
         if not commits or states is None:
             return
+        lanes, positions = commit_indices(commits, states.stash_rows)
+        put = self.ops.asarray
+        self.commit_rows(put(lanes), put(positions), put(lanes.astype(np.int32)), states)
+
+    def commit_rows(self, lane_ids: Array, positions: Array, row_lanes: Array,
+                    states: RecurrentStates) -> tuple[()]:
+        """commit_states on device indices: row i is stash row positions[i] of lane
+        lane_ids[i] (row_lanes: the same lanes as int32), in order. No host work depends on
+        their values (graph_decoder replays it from a graph)."""
         xp, hyb = self.ops.xp, self.hybrid
-        lanes = [lane for lane, count in commits for _ in range(count)]
-        pos = [i for _, count in commits for i in range(count)]
-        if max(pos, default=-1) >= states.stash_rows:
-            raise ValueError(f"commit_states: {max(pos) + 1} rows > the {states.stash_rows} stashed")
-        lane_ids = xp.asarray(np.asarray(lanes, np.int64))
-        positions = xp.asarray(np.asarray(pos, np.int64))
-        row_lanes = xp.asarray(np.asarray(lanes, np.int32))
         thawed = xp.zeros(states.num_lanes, dtype=np.uint8)
         width, heads = hyb.conv_channels, hyb.linear_num_value_heads
         for index, layer in enumerate(self.weights.layers):
@@ -572,6 +574,7 @@ class HybridDecoder:
             g = xp.ascontiguousarray(rows[:, width:width + heads])
             beta = xp.ascontiguousarray(rows[:, width + heads:])
             self._delta_rule(layer.mixer, qkv, g, beta, states, slot, row_lanes, thawed)
+        return ()
 
     def attention(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
                   kv_layer: int, kv_scales: Array) -> Array:
@@ -627,3 +630,13 @@ def _fuse_gate_up(ffn: FfnWeights, ops: Ops) -> None:
         if fused is not None:
             ffn.shared_gate_up, (ffn.shared_gate, ffn.shared_up) = fused[0], fused[1]
 
+
+def commit_indices(commits: tuple[tuple[int, int], ...], stash_rows: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(lanes, stash rows) int64 of every committed row, in order: lane l's rows 0..n-1 for
+    each (l, n) of `commits`; ValueError past the `stash_rows` a lane's stash holds."""
+    lanes = np.asarray([lane for lane, count in commits for _ in range(count)], np.int64)
+    rows = np.asarray([i for _, count in commits for i in range(count)], np.int64)
+    if rows.size and int(rows.max()) >= stash_rows:
+        raise ValueError(f"commit_states: {int(rows.max()) + 1} rows > the {stash_rows} stashed")
+    return lanes, rows
