@@ -21,8 +21,9 @@ way).
 Verify rounds (CAPTURE_VERIFY_ROUNDS): a hybrid round that stashes its frozen rows reads the
 stash plan from the states' plan buffer (one entry a batch row), and a round that wants every
 row's hidden (the MTP drafter) returns the graph's hidden rows when every row is a logit row,
-in order (the final norm is a per-row op: the same bits). Off until the GPU tests have run it
-(tests/test_gpu_qwen35.py turns it on); off, those rounds run eagerly.
+in order (the final norm is a per-row op: the same bits). On by default (every GPU gate holds
+with it, tests/test_gpu_qwen35.py); off, those rounds run eagerly. The commit of accepted
+draft rows (`commit_states`) replays a graph a row count (models/call_graphs.py).
 
 The static block table is as wide as the arena has pages; attention reads only the entries a row's position needs
 (positions are checked against the round's own width), so the padding never changes a value.
