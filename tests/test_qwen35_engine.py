@@ -393,3 +393,37 @@ async def test_memory_report_counts_the_recurrent_state(hybrids):
     assert "fixed a lane: 0.3 MiB -> 0 MiB" in lines[2]  # MTP ring: 2 * 1024 rows * 2 * 32 * 2 B
     assert lines[-1] == (f"  recurrent state a lane (in the run, zeroed at open): {mib(lane_bytes)}"
                          f" + verify stash {mib(1000)}; all lanes {mib(8 * (lane_bytes + 1000))}")
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+async def test_mtp_drafts_chosen_where_the_logits_are(hybrids, monkeypatch, mode):
+    """On ops that choose tokens on the 'device' (the CPU stand-in of the GPU's sampler), each
+    MTP draft is chosen there and fed to the next step as it is: no host read a step, the k ids
+    come back in one copy; outputs equal plain decoding on the same ops, and the greedy
+    proposals equal drafts recomputed from scratch."""
+    from tests.engine_helpers import engines_on_ops
+    from tests.test_device_sampling import DeviceStyleOps
+    from tf_async.engine.choice import TargetChooser
+
+    made = engines_on_ops(monkeypatch, DeviceStyleOps)
+    host_reads: list[int] = []
+    read_on_host = TargetChooser.__call__
+
+    def counted(self, *args):
+        host_reads.append(1)
+        return read_on_host(self, *args)
+
+    monkeypatch.setattr(TargetChooser, "__call__", counted)
+    ckpt = hybrids["dense-mlx4"]
+    async with engine(ckpt, parallel=2, step_tokens=5) as eng:
+        want = await run_all(eng, mode, PROMPTS[:3])
+    async with engine(ckpt, parallel=2, step_tokens=5, drafter="mtp", draft_tokens=3) as eng:
+        spy = ForcedDrafts(eng.parts.scheduler.drafter, ckpt.config.vocab_size)
+        eng.parts.scheduler.drafter = spy
+        got = await run_all(eng, mode, PROMPTS[:3])
+        stats = await idle_stats(eng)
+    assert got == want
+    assert stats["drafted_tokens"] > 0 and host_reads == []
+    assert ((3,), "int64") in made[-1].copies  # a proposal's k ids in one copy
+    if mode == "greedy":  # the stand-in's seeded sampler is the GPU's, not sample_token
+        spy.check_proposals()

@@ -98,8 +98,20 @@ class TargetChooser:
 
     def __call__(self, seq: Sequence, logits: Any, outputs: list[int], pos: int) -> int:
         """logits: [1, V] on the ops' device (the draft model's newest row)."""
-        choice = token_choice_at(seq, pos) if self.sampler is not None else None
-        if choice is not None:
-            assert self.sampler is not None
-            return int(self.ops.to_host(choose_on_device(self.ops, self.sampler, logits, [choice]))[0])
+        chosen = self.on_device(seq, logits, pos)
+        if chosen is not None:
+            return int(self.ops.to_host(chosen)[0])
         return choose_like_target(seq, self.ops.to_host(logits)[0], outputs, pos)
+
+    def on_device(self, seq: Sequence, logits: Any, pos: int) -> Any | None:
+        """The token as the target will pick it at `pos`, left on the device ([1] int64), or
+        None when this request's tokens are chosen on the host."""
+        choice = token_choice_at(seq, pos) if self.sampler is not None else None
+        if choice is None:
+            return None
+        assert self.sampler is not None
+        return choose_on_device(self.ops, self.sampler, logits, [choice])
+
+    def chooses_on_device(self, seq: Sequence) -> bool:
+        """Whether every draft of `seq` is chosen on the device (static per request)."""
+        return self.sampler is not None and token_choice_at(seq, seq.num_tokens) is not None

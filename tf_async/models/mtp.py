@@ -138,7 +138,8 @@ class MtpHead:
         num_pages = int(pos.max()) // int(ring.shape[2]) + 1 if num_rows else 1
         chosen = (np.arange(num_rows, dtype=np.int64) if logit_rows is None
                   else _host_int64(self.ops, logit_rows))
-        return (_host_int64(self.ops, token_ids), pos, pos % int(ring.shape[2]),
+        tokens = token_ids if _on_device(token_ids) else _host_int64(self.ops, token_ids)
+        return (tokens, pos, pos % int(ring.shape[2]),
                 np.zeros(num_rows, np.int32), np.zeros((1, num_pages), np.int32), chosen)
 
     def write_slots(self, token_ids: list[int], first_pos: int, hidden: Array, ring: Array,
@@ -176,6 +177,11 @@ class MtpHead:
         v = ops.linear(a, attn.v).reshape(rows, cfg.num_kv_heads, cfg.head_dim)
         ops.rope(k, positions, self.decoder.inv_freq, self.decoder.mscale)
         ops.kv_write(ring, 0, k, v, slots, kv_scales)
+
+
+def _on_device(values: Array) -> bool:
+    """A device int64 array (e.g. a draft chosen on the device): used where it is, no sync."""
+    return not isinstance(values, np.ndarray) and str(values.dtype) == "int64"
 
 
 def _host_int64(ops: Ops, values: Array) -> np.ndarray:

@@ -72,3 +72,13 @@ class ContextDrafter:
                 "accepted_tokens": self.num_accepted, "draft_areas_in_use": areas.num_in_use,
                 "draft_areas_bytes": areas.num_bytes, "draft_area_bytes_in_use": areas.bytes_in_use,
                 "draft_contexts_owned": self.contexts.num_owned}
+
+
+def until_stop(seq: Sequence, proposed: list[int]) -> tuple[int, ...]:
+    """The proposed tokens before the first of seq's stop tokens (the target emits those)."""
+    drafts: list[int] = []
+    for token in proposed:
+        if token in seq.stop_ids:
+            break
+        drafts.append(int(token))
+    return tuple(drafts)

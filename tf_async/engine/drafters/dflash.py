@@ -26,7 +26,7 @@ from ...models.dflash_model import DFlashModel
 from ...models.qwen35 import HybridWeights
 from ..area import AreaLayout
 from ..drafting import count_accepted
-from .base import ContextDrafter
+from .base import ContextDrafter, until_stop
 from .contexts import DraftContext, DraftContexts, make_contexts, sync_or_stop_drafting
 from .dflash_pages import ContextPages, make_context_pages
 
@@ -64,7 +64,7 @@ class DFlashDrafter(ContextDrafter):
         if samples(seq):
             return self._sampled(ctx, seq, limit)
         proposed = self.model.propose(ctx.views.ring, ctx.num_valid, seq.last_token())
-        return _until_stop(seq, proposed[:limit].tolist())
+        return until_stop(seq, proposed[:limit].tolist())
 
     def _sampled(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         """With temperature: draft t is drawn as the target draws position num_tokens + t
@@ -142,15 +142,6 @@ def _score_row(vocab: int, candidates: np.ndarray, scores: np.ndarray) -> np.nda
 def samples(seq: Sequence) -> bool:
     """Whether the target samples this stream's tokens (as sample_token's greedy test)."""
     return not (seq.params.temperature == 0.0 or seq.params.top_k == 1)
-
-
-def _until_stop(seq: Sequence, proposed: list[int]) -> tuple[int, ...]:
-    drafts: list[int] = []
-    for token in proposed:
-        if token in seq.stop_ids:
-            break  # the target emits stop tokens itself
-        drafts.append(int(token))
-    return tuple(drafts)
 
 
 # ---- construction -------------------------------------------------------------------------

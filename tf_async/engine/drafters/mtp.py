@@ -28,7 +28,7 @@ from ...models.qwen35 import HybridWeights, MtpWeights
 from ..area import KV_NP_DTYPE, AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
-from .base import ContextDrafter
+from .base import ContextDrafter, until_stop
 from .contexts import DraftContext, DraftContexts, make_contexts, sync_or_stop_drafting
 from .page_slots import PageSlots, make_page_slots
 
@@ -58,12 +58,14 @@ class MtpDrafter(ContextDrafter):
         ctx.num_valid = -1
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        if self.choose.chooses_on_device(seq):
+            return self._draft_on_device(ctx, seq, limit)
         assert ctx.views is not None
         num_tokens = seq.num_tokens
         token, hidden = seq.last_token(), ctx.views.state[None]
         outputs, drafts, slot = list(seq.output_ids), [], ctx.num_valid
         for step in range(limit):
-            logits, hidden = self._step(ctx, token, slot + step, hidden)
+            logits, hidden = self._step(ctx, np.asarray([token], np.int64), slot + step, hidden)
             if step == 0:  # the pending slot holds committed values: it stays in the ring
                 ctx.num_valid, ctx.has_state = ctx.num_valid + 1, False
             token = self.choose(seq, logits, outputs, num_tokens + step)
@@ -73,12 +75,30 @@ class MtpDrafter(ContextDrafter):
             outputs.append(token)
         return tuple(drafts)
 
-    def _step(self, ctx: DraftContext, token: int, pos: int, hidden: Array
-              ) -> tuple[Array, Array]:
-        """One MTP slot at `pos`; (logits [1, V] and normed output [1, H], on the device)."""
+    def _draft_on_device(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """The same k steps with each draft chosen where the logits are and fed to the next
+        step there: one copy of the k ids at the end instead of a host read a step (the steps
+        after a stop token are wasted work, their ring slots rewritten before they are read)."""
         assert ctx.views is not None
-        logits, out = self.head.rows(np.asarray([token], np.int64), np.asarray([pos], np.int64),
-                                     hidden, ctx.views.ring, self.kv_scales)
+        num_tokens, slot = seq.num_tokens, ctx.num_valid
+        token: Array = np.asarray([seq.last_token()], np.int64)
+        hidden, picks = ctx.views.state[None], []
+        for step in range(limit):
+            logits, hidden = self._step(ctx, token, slot + step, hidden)
+            if step == 0:  # the pending slot holds committed values: it stays in the ring
+                ctx.num_valid, ctx.has_state = ctx.num_valid + 1, False
+            token = self.choose.on_device(seq, logits, num_tokens + step)
+            picks.append(token)
+        ids = self.ops.to_host(self.ops.xp.concatenate(picks))
+        return until_stop(seq, [int(t) for t in ids])
+
+    def _step(self, ctx: DraftContext, token: Array, pos: int, hidden: Array
+              ) -> tuple[Array, Array]:
+        """One MTP slot at `pos` (token: [1] int64, host or device); (logits [1, V] and normed
+        output [1, H], on the device)."""
+        assert ctx.views is not None
+        logits, out = self.head.rows(token, np.asarray([pos], np.int64), hidden, ctx.views.ring,
+                                     self.kv_scales)
         return logits, out
 
     def absorb(self, seq: Sequence, rows: SeqRows, num_new_tokens: int, hidden: Any) -> None:
