@@ -9,6 +9,10 @@ shapes drawn on the device, MLX 4-bit (group 64; router and shared-expert gates 
    are replaced by what the target will emit (forced full acceptance) and by wrong tokens
    (zero acceptance); the MTP layer still runs its k steps a round in both. Random weights
    accept nothing on their own, so a real checkpoint's speed-up lies between the two.
+3. The same with a DFlash2 drafter (issue 21; modes dflash, dflash-full, dflash-zero): a random
+   MLX 4-bit drafter of the public DFlash2 shapes (docs/DFLASH.md: 5 sliding layers, window
+   2048, 8 KV heads of 128, block 16, selector rank 256) at the target's hidden size, written
+   to a temporary folder (`--dflash-dir` keeps it), 15 drafts a round.
 
     python benchmarks/bench_qwen35_gpu.py --memory-only          # CPU: the memory table
     python benchmarks/bench_qwen35_gpu.py [--models 27b,35b-a3b] [--streams 1,8]
@@ -23,12 +27,17 @@ import argparse
 import asyncio
 import itertools
 import math
+import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers: drafter writer
 
 from tf_async.engine.area import lane_memory_lines, mib
 from tf_async.engine.options import EngineOptions
@@ -61,6 +70,32 @@ SHAPES["tiny-moe"] = {**SHAPES["35b-a3b"], **_TINY, "num_experts": 4, "num_exper
 
 def hybrid_config(name: str) -> HybridConfig:
     return hybrid_config_from_hf(SHAPES[name], source=f"{name} shape")
+
+
+def write_dflash_drafter(folder: Path, name: str, bits: int = 4) -> Path:
+    """A random DFlash2 drafter for target `name` (public DFlash2 shapes at its hidden size,
+    5 target layers spread over its depth), MLX `bits`-bit (0: bf16)."""
+    from tests.tiny_dflash import dflash_config, dflash_weights, mlx_quantize_dflash, write_dflash
+
+    t = SHAPES[name]
+    hidden, layers, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
+    small = hidden < 1024  # the --device cpu check's tiny shapes
+    heads, kv_heads, head_dim = (4, 2, 32) if small else (32, 8, 128)
+    cfg = dflash_config(2, hidden_size=hidden, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim,
+                        intermediate_size=t.get("intermediate_size", 3 * hidden),
+                        num_hidden_layers=2 if small else 5, vocab_size=vocab,
+                        num_target_layers=layers, sliding_window=2048,
+                        layer_types=["sliding_attention"] * (2 if small else 5))
+    cfg["dflash_config"].update(
+        block_size=16, mask_token_id=vocab - 1, conv_group_size=16,
+        target_layer_ids=sorted({round(i * (layers - 2) / 4) + 1 for i in range(5)}),
+        selector_rank=32 if small else 256, selector_top_k=16, output_multiplier=0.196)
+    weights = dflash_weights(cfg, seed=11)
+    if bits:
+        cfg["quantization"] = {"group_size": GROUP_SIZE, "bits": bits}
+        weights = mlx_quantize_dflash(weights, bits, GROUP_SIZE)
+    return write_dflash(folder, cfg, weights)
 
 
 def state_layout(hybrid: HybridConfig, num_lanes: int) -> StateLayout:
@@ -278,13 +313,14 @@ async def decode_run(ckpt, name: str, streams: int, mode: str, args,
     rng = np.random.default_rng(streams)
     prompts = [rng.integers(0, ckpt.config.vocab_size, args.prompt_tokens).tolist()
                for _ in range(streams)]
-    drafter = None if mode == "plain" else "mtp"
+    dflash = mode.startswith("dflash")
+    drafter = None if mode == "plain" else f"dflash:{args.dflash_path}" if dflash else "mtp"
     async with Engine(ckpt, device=args.device, parallel=streams, ctx=args.ctx, kv_dtype=args.kv,
                       step_tokens=max(512, streams * args.prompt_tokens), page_size=16,
-                      drafter=drafter, draft_tokens=args.draft_tokens) as eng:
-        if mode.startswith("forced"):
+                      drafter=drafter, draft_tokens=15 if dflash else args.draft_tokens) as eng:
+        if mode.endswith(("-full", "-zero")):
             sched = eng.parts.scheduler
-            sched.drafter = ForcedDrafts(sched.drafter, truth, mode == "forced-full",
+            sched.drafter = ForcedDrafts(sched.drafter, truth, mode.endswith("-full"),
                                          ckpt.config.vocab_size)
         # JIT, warm-up and every CUDA graph of the timed run's round shapes: the same run on
         # other prompts (not cached), every stream at once, as long as the timed one.
@@ -321,6 +357,10 @@ async def bench_model(cp, name: str, args) -> list[Run]:
     print(f"{name}: weights {weight_bytes(ckpt.weights) / 2**30:.1f} GiB drawn in "
           f"{time.perf_counter() - t:.1f} s", flush=True)
     runs: list[Run] = []
+    if any(m.startswith("dflash") for m in args.modes):
+        t = time.perf_counter()
+        args.dflash_path = write_dflash_drafter(Path(args.dflash_dir) / name, name, args.dflash_bits)
+        print(f"{name}: DFlash2 drafter written in {time.perf_counter() - t:.1f} s", flush=True)
     for streams in args.streams:
         truth: dict[tuple[int, ...], list[int]] = {}
         for mode in args.modes:
@@ -362,7 +402,11 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b-a3b")
     parser.add_argument("--modes", type=lambda s: s.split(","),
                         default=["plain", "mtp", "forced-full", "forced-zero"],
-                        help="plain,mtp,forced-full,forced-zero (forced ones need plain first)")
+                        help="plain,mtp,forced-full,forced-zero,dflash,dflash-full,dflash-zero "
+                        "(forced ones need plain first)")
+    parser.add_argument("--dflash-dir", default=None, help="where the DFlash2 drafters go "
+                        "(default: a temporary folder)")
+    parser.add_argument("--dflash-bits", type=int, default=4, choices=[0, 4, 8])
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -388,10 +432,12 @@ def main() -> None:
 
         print(f"device: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}", flush=True)
     runs: list[Run] = []
-    for name in args.models.split(","):
-        runs += asyncio.run(bench_model(xp, name, args))
-        if args.device == "cuda":
-            xp.get_default_memory_pool().free_all_blocks()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.dflash_dir = args.dflash_dir or tmp
+        for name in args.models.split(","):
+            runs += asyncio.run(bench_model(xp, name, args))
+            if args.device == "cuda":
+                xp.get_default_memory_pool().free_all_blocks()
     print_table(runs, args.ctx)
 
 
