@@ -28,6 +28,8 @@ _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in 
 _MAX_CHUNKS = 32
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread
 _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
+_ROW_BLOCK = 16  # attention: query rows of one stream that share converted K/V tiles
+_KEY_TILE = 32  # attention: keys converted to float32 at once
 
 
 # ----------------------------------------------------------------------------- intrinsics
@@ -764,7 +766,7 @@ def _attend_one(q_row, kv_layer, scales, pages, pos, page_size, sm_scale, kv_hea
 
 
 @njit(**_JIT)
-def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+def _rows_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
                      page_size, sm_scale, out):
     rows, num_heads, head_dim = q.shape
     group = num_heads // kv_layer.shape[2]
@@ -778,12 +780,181 @@ def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_se
 
 
 @njit(**_JIT, parallel=True)
-def _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
+def _rows_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
                         out):
     num_chunks = _num_chunks(q.shape[0] * q.shape[1])
     for chunk in prange(num_chunks):
-        _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+        _rows_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
                          page_size, sm_scale, out)
+
+
+@njit(**_JIT)
+def paged_attention_rows(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos,
+                         page_size, sm_scale, out):
+    """The session-11 kernel, kept for benchmarks/bench_cpu_attention.py: paged_attention's
+    arguments, each (row, head) alone (a fastmath dot over head_dim per key, K and V converted
+    per (row, head)). Batch-invariant too, with other bits than paged_attention."""
+    rows, num_heads, head_dim = q.shape
+    if rows == 0:
+        return
+    scales = (_F32(k_scale), _F32(v_scale))
+    work = rows * num_heads * head_dim * (np.int64(row_pos.max()) + 1)
+    if work >= _PARALLEL_MIN_WORK:
+        _rows_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                            _F32(sm_scale), out)
+    else:
+        _rows_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                         _F32(sm_scale), out)
+
+
+@njit(**_JIT)
+def _row_blocks(row_seq):
+    # [blocks + 1] starts: runs of consecutive rows of one stream, at most _ROW_BLOCK rows each
+    starts = np.empty(row_seq.shape[0] + 1, np.int64)
+    count = 0
+    for r in range(row_seq.shape[0]):
+        if r == 0 or row_seq[r] != row_seq[r - 1] or r - starts[count - 1] == _ROW_BLOCK:
+            starts[count] = r
+            count += 1
+    starts[count] = row_seq.shape[0]
+    return starts[:count + 1]
+
+
+@njit(**_JIT)
+def _load_tile(kv_layer, kind, scale, pages, first, num_keys, page_size, kv_head, tile):
+    # float32 K (kind 0) into tile [hd, keys] or V (kind 1) into tile [keys, hd] for positions
+    # first..first+num_keys-1: each stored element is converted once per (row block, kv head).
+    for i in range(num_keys):
+        pos = first + i
+        slot = np.int64(pages[pos // page_size]) * page_size + pos % page_size
+        for d in range(kv_layer.shape[3]):
+            value = _kv_load(kv_layer[kind, slot, kv_head, d], scale)
+            if kind == 0:
+                tile[d, i] = value
+            else:
+                tile[i, d] = value
+
+
+@njit(**_JIT)
+def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
+    # scores_x[j] = (fma chain of q_x[d] * K[j, d], d ascending) * sm_scale for two query
+    # vectors sharing each key load (q_b may be q_a). The loops run across keys (vectorised
+    # without reassociation): a key's order is fixed by head_dim alone.
+    head_dim = keys_t.shape[0]
+    scores_a[:num_keys] = 0
+    scores_b[:num_keys] = 0
+    for d in range(0, head_dim - head_dim % 4, 4):
+        a0, a1, a2, a3 = q_a[d], q_a[d + 1], q_a[d + 2], q_a[d + 3]
+        b0, b1, b2, b3 = q_b[d], q_b[d + 1], q_b[d + 2], q_b[d + 3]
+        for j in range(num_keys):
+            k0, k1, k2, k3 = keys_t[d, j], keys_t[d + 1, j], keys_t[d + 2, j], keys_t[d + 3, j]
+            sa, sb = scores_a[j], scores_b[j]
+            scores_a[j] = fma32(a3, k3, fma32(a2, k2, fma32(a1, k1, fma32(a0, k0, sa))))
+            scores_b[j] = fma32(b3, k3, fma32(b2, k2, fma32(b1, k1, fma32(b0, k0, sb))))
+    for d in range(head_dim - head_dim % 4, head_dim):  # each j reads both before writing
+        for j in range(num_keys):
+            sa, sb = scores_a[j], scores_b[j]
+            scores_a[j] = fma32(q_a[d], keys_t[d, j], sa)
+            scores_b[j] = fma32(q_b[d], keys_t[d, j], sb)
+    for j in range(num_keys):
+        sa, sb = scores_a[j], scores_b[j]
+        scores_a[j] = sa * sm_scale
+        scores_b[j] = sb * sm_scale
+
+
+@njit(**_JIT)
+def _tile_values(probs, values, num_keys, acc):
+    # acc[d] = fma(probs[j], V[j, d], acc[d]) for j ascending, four keys per pass over acc
+    for j in range(0, num_keys - num_keys % 4, 4):
+        p0, p1, p2, p3 = probs[j], probs[j + 1], probs[j + 2], probs[j + 3]
+        for d in range(acc.shape[0]):
+            a = fma32(p0, values[j, d], acc[d])
+            a = fma32(p1, values[j + 1, d], a)
+            a = fma32(p2, values[j + 2, d], a)
+            acc[d] = fma32(p3, values[j + 3, d], a)
+    for j in range(num_keys - num_keys % 4, num_keys):
+        for d in range(acc.shape[0]):
+            acc[d] = fma32(probs[j], values[j, d], acc[d])
+
+
+@njit(**_JIT)
+def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size, sm_scale,
+                  keys_t, scores):
+    # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0])
+    group = heads[1] - heads[0]
+    for first in range(0, max_keys, _KEY_TILE):
+        num_keys = min(_KEY_TILE, max_keys - first)
+        _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, heads[0] // group,
+                   keys_t)
+        num_vectors = (rows[1] - rows[0]) * group
+        for pair in range(0, num_vectors, 2):
+            a, b = pair, min(pair + 1, num_vectors - 1)  # an odd last vector goes twice
+            _tile_scores(q[rows[0] + a // group, heads[0] + a % group],
+                         q[rows[0] + b // group, heads[0] + b % group], keys_t, num_keys,
+                         sm_scale, scores[a, first:], scores[b, first:])
+
+
+@njit(**_JIT)
+def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_keys, page_size,
+                  values, probs, acc):
+    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending
+    num_vectors = (rows[1] - rows[0]) * group
+    acc[:num_vectors] = 0
+    for first in range(0, max_keys, _KEY_TILE):
+        num_keys = min(_KEY_TILE, max_keys - first)
+        _load_tile(kv_layer, 1, v_scale, pages, first, num_keys, page_size, kv_head, values)
+        for vector in range(num_vectors):
+            row_keys = min(num_keys, row_pos[rows[0] + vector // group] + 1 - first)
+            if row_keys > 0:
+                _tile_values(probs[vector, first:], values, row_keys, acc[vector])
+
+
+@njit(**_JIT)
+def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, sm_scale,
+                  scratch, out):
+    # Rows rows[0]..rows[1]-1 of one stream x the query heads heads[0]..heads[1]-1 of one kv
+    # head: whole-row scores, softmax over 0..pos, weighted values; K and V converted per tile.
+    keys_t, values, scores, acc, totals = scratch
+    group = heads[1] - heads[0]
+    max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
+    _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
+                  keys_t, scores)
+    for vector in range((rows[1] - rows[0]) * group):
+        totals[vector] = _softmax_in_place(scores[vector], row_pos[rows[0] + vector // group] + 1)
+    _block_values(kv_layer, scales[1], pages, row_pos, rows, group, heads[0] // group, max_keys,
+                  page_size, values, scores, acc)
+    for vector in range((rows[1] - rows[0]) * group):
+        r, h = rows[0] + vector // group, heads[0] + vector % group
+        for d in range(acc.shape[1]):
+            out[r, h, d] = acc[vector, d] / totals[vector]
+
+
+@njit(**_JIT)
+def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                  starts, page_size, sm_scale, out):
+    # items: (row block, kv head), block-major; the chunk's scratch is allocated once
+    head_dim, num_kv_heads = q.shape[2], kv_layer.shape[2]
+    group = q.shape[1] // num_kv_heads
+    vectors = _ROW_BLOCK * group
+    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32),
+               np.empty((vectors, np.int64(row_pos.max()) + 1), _F32),
+               np.empty((vectors, head_dim), _F32), np.empty(vectors, _F32))
+    first, last = _chunk(chunk, num_chunks, (starts.shape[0] - 1) * num_kv_heads)
+    for item in range(first, last):
+        block, kv_head = item // num_kv_heads, item % num_kv_heads
+        rows = (starts[block], starts[block + 1])
+        _attend_block(q, kv_layer, scales, block_table[row_seq[rows[0]]], row_pos, rows,
+                      (kv_head * group, (kv_head + 1) * group), page_size, sm_scale, scratch,
+                      out)
+
+
+@njit(**_JIT, parallel=True)
+def _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts, page_size,
+                     sm_scale, out):
+    num_chunks = _num_chunks((starts.shape[0] - 1) * kv_layer.shape[2])
+    for chunk in prange(num_chunks):
+        _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                      starts, page_size, sm_scale, out)
 
 
 @njit(**_JIT)
@@ -792,18 +963,25 @@ def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos
     """Causal GQA over paged KV. q/out [rows, nh, hd] float32; kv_layer [2, num_slots, nkv, hd];
     block_table [seqs, max_pages] int32; row_seq [rows] int32; row_pos [rows] int64.
     Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv).
-    Each (row, head) runs the same sequential code; pairs are split across threads."""
-    rows, num_heads, head_dim = q.shape
+    Work items are (block of up to _ROW_BLOCK consecutive rows of one stream, kv head): K and
+    V tiles are converted to float32 once per item and shared by its rows and query heads.
+    A (row, head)'s arithmetic is fixed by its q, keys and pos alone (batch-invariant):
+
+        score_j = fma(q[hd-1], K[j,hd-1], ... fma(q[0], K[j,0], 0)) * sm_scale
+        p_j = exp(score_j - max), total = _sum(p)   out = (sum_j p_j V[j], j ascending) / total
+    """
+    rows = q.shape[0]
     if rows == 0:
         return
     scales = (_F32(k_scale), _F32(v_scale))
-    work = rows * num_heads * head_dim * (np.int64(row_pos.max()) + 1)
+    starts = _row_blocks(row_seq)
+    work = rows * q.shape[1] * q.shape[2] * (np.int64(row_pos.max()) + 1)
     if work >= _PARALLEL_MIN_WORK:
-        _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
-                            _F32(sm_scale), out)
-    else:
-        _attention_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+        _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts, page_size,
                          _F32(sm_scale), out)
+    else:
+        _blocks_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, starts,
+                      page_size, _F32(sm_scale), out)
 
 
 # ----------------------------------------------------------------------------- MoE routing
