@@ -1,6 +1,7 @@
 """CPU paged attention: values vs a float64 NumPy reference, and a row's bits independent of
-the call it is in (other rows, other streams, how rows are cut into calls, blocks, chunks and
-threads). Rows of one stream are long causal runs, with gaps, over page tables out of order."""
+the call it is in (other rows, other streams, how rows are cut into calls, row blocks, chunks
+and threads). Stream 0's run of 40 rows spans two row blocks (32 rows); stream 2's rows end
+on both sides of key and value tile edges; page tables are out of order."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from tf_async.backend.cpu.ops import CpuOps
 
 OPS = CpuOps()
 ROOT = Path(__file__).resolve().parent.parent
-PAGE_SIZE, NUM_PAGES, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 5, 48, 2, 6, 32
-# stream -> its pages in position order (out of arena order), sizes 60, 50 and 75 positions
-PAGE_MAP = [[17, 3, 40, 8, 22, 1, 35, 12, 29, 44, 6, 19],
-            [0, 31, 14, 26, 9, 47, 2, 38, 21, 11],
-            [45, 5, 33, 16, 27, 10, 42, 4, 24, 37, 13, 30, 7, 46, 20]]
+PAGE_SIZE, NUM_PAGES, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 5, 62, 2, 6, 32
+# stream -> its pages in position order (shuffled arena order): 60, 50 and 200 positions, so
+# stream 2 spans two key tiles (128 keys) and four value tiles (64)
+_SHUFFLED = np.random.default_rng(21).permutation(NUM_PAGES).tolist()
+PAGE_MAP = [_SHUFFLED[:12], _SHUFFLED[12:22], _SHUFFLED[22:]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,25 +45,25 @@ class Case:
                                    self.row_seq, self.row_pos, PAGE_SIZE, 0.17)
 
 
-def mixed_case(kv_dtype: str, seed: int = 3) -> Case:
+def mixed_case(kv_dtype: str, seed: int = 3, head_dim: int = HEAD_DIM) -> Case:
     """Stream 0: a prompt run 0..39 (longer than a row block); stream 1: rows with gaps;
-    stream 2: a short run then a decode row; interleaved as a scheduler round might send."""
+    stream 2: runs across tile edges and a decode row; interleaved as a round might send."""
     rng = np.random.default_rng(seed)
-    kv = OPS.alloc_kv(1, NUM_PAGES * PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
+    kv = OPS.alloc_kv(1, NUM_PAGES * PAGE_SIZE, NUM_KV_HEADS, head_dim, kv_dtype)
     scales = np.array([[0.06, 0.09]], np.float32) if kv_dtype == "fp8" else None
     for pages in PAGE_MAP:
         pos = np.arange(len(pages) * PAGE_SIZE)
         slots = np.array(pages, np.int64)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        k = rng.standard_normal((pos.size, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((pos.size, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        k = rng.standard_normal((pos.size, NUM_KV_HEADS, head_dim)).astype(np.float32)
+        v = rng.standard_normal((pos.size, NUM_KV_HEADS, head_dim)).astype(np.float32)
         OPS.kv_write(kv, 0, k, v, slots, scales)
     width = max(len(p) for p in PAGE_MAP)
     table = np.array([p + [-1] * (width - len(p)) for p in PAGE_MAP], np.int32)
     runs = [(2, [70, 71, 72]), (0, list(range(40))), (1, [3, 7, 8, 20, 33, 34, 49]),
-            (2, [74]), (0, [55, 59]), (1, [0])]
+            (2, list(range(124, 132))), (2, [199]), (0, [55, 59]), (1, [0]), (2, [63, 64])]
     row_seq = np.array([s for s, ps in runs for _ in ps], np.int32)
     row_pos = np.array([p for _, ps in runs for p in ps], np.int64)
-    q = rng.standard_normal((row_seq.size, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((row_seq.size, NUM_HEADS, head_dim)).astype(np.float32)
     return Case(q, kv, np.ones((1, 2), np.float32) if scales is None else scales, table,
                 row_seq, row_pos)
 
@@ -84,16 +85,17 @@ def assert_rows_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
         assert np.array_equal(got[r], want[r], equal_nan=True), f"row {r}: {what}"
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
-def test_attention_matches_float64_reference(kv_dtype: str) -> None:
-    case = mixed_case(kv_dtype)
+@pytest.mark.parametrize(("kv_dtype", "head_dim"), [("f32", 32), ("bf16", 32), ("fp8", 32),
+                                                    ("f32", 30)])
+def test_attention_matches_float64_reference(kv_dtype: str, head_dim: int) -> None:
+    case = mixed_case(kv_dtype, head_dim=head_dim)  # head_dim 30: the score loop's d tail
     out = case.run(np.arange(case.row_seq.size))
     np.testing.assert_allclose(out, case.reference(), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
-def test_row_bits_do_not_depend_on_the_call(kv_dtype: str) -> None:
-    case = mixed_case(kv_dtype)
+@pytest.mark.parametrize(("kv_dtype", "head_dim"), [("f32", 32), ("bf16", 32), ("f32", 30)])
+def test_row_bits_do_not_depend_on_the_call(kv_dtype: str, head_dim: int) -> None:
+    case = mixed_case(kv_dtype, head_dim=head_dim)
     rows = case.row_seq.size
     whole = case.run(np.arange(rows))
     one_by_one = np.concatenate([case.run(np.array([r])) for r in range(rows)])

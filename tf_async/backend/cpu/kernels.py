@@ -2,7 +2,7 @@
 
 Every kernel is batch-invariant: each output row (or (row, head)) is computed by the same
 sequential code with the same reduction order, whatever the other rows of the call are.
-Parallel kernels split work over output features or (row, head) pairs, never inside a
+Parallel kernels split work over output features or (row block, head) items, never inside a
 reduction, and small calls run on the calling thread with the same per-row code.
 The quantized matmul is a hand-written LLVM vector loop (see "intrinsics") whose order is
 fixed by construction; the other reductions live in small `fastmath` helpers that LLVM
@@ -28,8 +28,9 @@ _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in 
 _MAX_CHUNKS = 32
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread
 _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
-_ROW_BLOCK = 16  # attention: query rows of one stream that share converted K/V tiles
-_KEY_TILE = 32  # attention: keys converted to float32 at once
+_ROW_BLOCK = 32  # attention: query rows of one stream that share converted K/V tiles
+_KEY_TILE = 128  # attention: keys converted to float32 at once (K^T tile: 32 KiB at hd 64)
+_VALUE_TILE = 64  # attention: values converted at once (16 KiB at hd 64)
 
 
 # ----------------------------------------------------------------------------- intrinsics
@@ -838,8 +839,8 @@ def _load_tile(kv_layer, kind, scale, pages, first, num_keys, page_size, kv_head
 @njit(**_JIT)
 def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
     # scores_x[j] = (fma chain of q_x[d] * K[j, d], d ascending) * sm_scale for two query
-    # vectors sharing each key load (q_b may be q_a). The loops run across keys (vectorised
-    # without reassociation): a key's order is fixed by head_dim alone.
+    # vectors sharing each key load. The loops run across keys (vectorised without
+    # reassociation): a key's order is fixed by head_dim alone.
     head_dim = keys_t.shape[0]
     scores_a[:num_keys] = 0
     scores_b[:num_keys] = 0
@@ -851,30 +852,37 @@ def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
             sa, sb = scores_a[j], scores_b[j]
             scores_a[j] = fma32(a3, k3, fma32(a2, k2, fma32(a1, k1, fma32(a0, k0, sa))))
             scores_b[j] = fma32(b3, k3, fma32(b2, k2, fma32(b1, k1, fma32(b0, k0, sb))))
-    for d in range(head_dim - head_dim % 4, head_dim):  # each j reads both before writing
+    for d in range(head_dim - head_dim % 4, head_dim):
         for j in range(num_keys):
-            sa, sb = scores_a[j], scores_b[j]
-            scores_a[j] = fma32(q_a[d], keys_t[d, j], sa)
-            scores_b[j] = fma32(q_b[d], keys_t[d, j], sb)
+            scores_a[j] = fma32(q_a[d], keys_t[d, j], scores_a[j])
+            scores_b[j] = fma32(q_b[d], keys_t[d, j], scores_b[j])
     for j in range(num_keys):
-        sa, sb = scores_a[j], scores_b[j]
-        scores_a[j] = sa * sm_scale
-        scores_b[j] = sb * sm_scale
+        scores_a[j] = scores_a[j] * sm_scale
+        scores_b[j] = scores_b[j] * sm_scale
 
 
 @njit(**_JIT)
-def _tile_values(probs, values, num_keys, acc):
-    # acc[d] = fma(probs[j], V[j, d], acc[d]) for j ascending, four keys per pass over acc
+def _tile_values(probs_a, probs_b, values, num_keys, acc_a, acc_b):
+    # acc_x[d] = fma(probs_x[j], V[j, d], acc_x[d]) for j ascending: two vectors sharing each
+    # value load, four keys per pass over the accumulators
     for j in range(0, num_keys - num_keys % 4, 4):
-        p0, p1, p2, p3 = probs[j], probs[j + 1], probs[j + 2], probs[j + 3]
-        for d in range(acc.shape[0]):
-            a = fma32(p0, values[j, d], acc[d])
-            a = fma32(p1, values[j + 1, d], a)
-            a = fma32(p2, values[j + 2, d], a)
-            acc[d] = fma32(p3, values[j + 3, d], a)
+        a0, a1, a2, a3 = probs_a[j], probs_a[j + 1], probs_a[j + 2], probs_a[j + 3]
+        b0, b1, b2, b3 = probs_b[j], probs_b[j + 1], probs_b[j + 2], probs_b[j + 3]
+        for d in range(acc_a.shape[0]):
+            v0, v1, v2, v3 = values[j, d], values[j + 1, d], values[j + 2, d], values[j + 3, d]
+            xa, xb = acc_a[d], acc_b[d]
+            acc_a[d] = fma32(a3, v3, fma32(a2, v2, fma32(a1, v1, fma32(a0, v0, xa))))
+            acc_b[d] = fma32(b3, v3, fma32(b2, v2, fma32(b1, v1, fma32(b0, v0, xb))))
     for j in range(num_keys - num_keys % 4, num_keys):
-        for d in range(acc.shape[0]):
-            acc[d] = fma32(probs[j], values[j, d], acc[d])
+        for d in range(acc_a.shape[0]):
+            acc_a[d] = fma32(probs_a[j], values[j, d], acc_a[d])
+            acc_b[d] = fma32(probs_b[j], values[j, d], acc_b[d])
+
+
+@njit(**_JIT)
+def _pair(pair, num_vectors, spare):
+    # vectors (pair, pair + 1); an odd last vector is paired with the spare scratch row
+    return pair, pair + 1 if pair + 1 < num_vectors else spare
 
 
 @njit(**_JIT)
@@ -882,31 +890,39 @@ def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size,
                   keys_t, scores):
     # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0])
     group = heads[1] - heads[0]
+    num_vectors = (rows[1] - rows[0]) * group
     for first in range(0, max_keys, _KEY_TILE):
         num_keys = min(_KEY_TILE, max_keys - first)
         _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, heads[0] // group,
                    keys_t)
-        num_vectors = (rows[1] - rows[0]) * group
         for pair in range(0, num_vectors, 2):
-            a, b = pair, min(pair + 1, num_vectors - 1)  # an odd last vector goes twice
+            a, b = _pair(pair, num_vectors, scores.shape[0] - 1)
+            b_row = min(b, num_vectors - 1)  # the spare row repeats vector a's q
             _tile_scores(q[rows[0] + a // group, heads[0] + a % group],
-                         q[rows[0] + b // group, heads[0] + b % group], keys_t, num_keys,
-                         sm_scale, scores[a, first:], scores[b, first:])
+                         q[rows[0] + b_row // group, heads[0] + b_row % group], keys_t,
+                         num_keys, sm_scale, scores[a, first:], scores[b, first:])
 
 
 @njit(**_JIT)
 def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_keys, page_size,
                   values, probs, acc):
-    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending
+    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending.
+    # A pair runs their common keys together, then the longer one's rest with the spare row.
     num_vectors = (rows[1] - rows[0]) * group
-    acc[:num_vectors] = 0
-    for first in range(0, max_keys, _KEY_TILE):
-        num_keys = min(_KEY_TILE, max_keys - first)
+    spare = acc.shape[0] - 1
+    acc[:] = 0
+    for first in range(0, max_keys, _VALUE_TILE):
+        num_keys = min(_VALUE_TILE, max_keys - first)
         _load_tile(kv_layer, 1, v_scale, pages, first, num_keys, page_size, kv_head, values)
-        for vector in range(num_vectors):
-            row_keys = min(num_keys, row_pos[rows[0] + vector // group] + 1 - first)
-            if row_keys > 0:
-                _tile_values(probs[vector, first:], values, row_keys, acc[vector])
+        for pair in range(0, num_vectors, 2):
+            a, b = _pair(pair, num_vectors, spare)
+            keys_a = max(0, min(num_keys, row_pos[rows[0] + a // group] + 1 - first))
+            keys_b = 0 if b == spare else max(0, min(num_keys, row_pos[rows[0] + b // group] + 1 - first))
+            common = min(keys_a, keys_b)
+            _tile_values(probs[a, first:], probs[b, first:], values, common, acc[a], acc[b])
+            longer = a if keys_a > keys_b else b
+            _tile_values(probs[longer, first + common:], probs[longer, first + common:],
+                         values[common:], max(keys_a, keys_b) - common, acc[longer], acc[spare])
 
 
 @njit(**_JIT)
@@ -935,10 +951,11 @@ def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, 
     # items: (row block, kv head), block-major; the chunk's scratch is allocated once
     head_dim, num_kv_heads = q.shape[2], kv_layer.shape[2]
     group = q.shape[1] // num_kv_heads
-    vectors = _ROW_BLOCK * group
-    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32),
-               np.empty((vectors, np.int64(row_pos.max()) + 1), _F32),
-               np.empty((vectors, head_dim), _F32), np.empty(vectors, _F32))
+    vectors = np.int64((starts[1:] - starts[:-1]).max()) * group
+    # scores and acc have a spare last row (the partner of an odd vector out)
+    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_VALUE_TILE, head_dim), _F32),
+               np.empty((vectors + 1, np.int64(row_pos.max()) + 1), _F32),
+               np.empty((vectors + 1, head_dim), _F32), np.empty(vectors, _F32))
     first, last = _chunk(chunk, num_chunks, (starts.shape[0] - 1) * num_kv_heads)
     for item in range(first, last):
         block, kv_head = item // num_kv_heads, item % num_kv_heads
@@ -964,11 +981,13 @@ def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos
     block_table [seqs, max_pages] int32; row_seq [rows] int32; row_pos [rows] int64.
     Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv).
     Work items are (block of up to _ROW_BLOCK consecutive rows of one stream, kv head): K and
-    V tiles are converted to float32 once per item and shared by its rows and query heads.
-    A (row, head)'s arithmetic is fixed by its q, keys and pos alone (batch-invariant):
+    V tiles are converted to float32 once per item and shared by its rows and query heads; a
+    decode row is a block of one. A (row, head)'s arithmetic is fixed by its q, keys and pos
+    alone, whatever the blocks, chunks and threads (batch-invariant):
 
         score_j = fma(q[hd-1], K[j,hd-1], ... fma(q[0], K[j,0], 0)) * sm_scale
-        p_j = exp(score_j - max), total = _sum(p)   out = (sum_j p_j V[j], j ascending) / total
+        p_j = exp(score_j - max), total = _sum(p), acc = fma(p_j, V[j], acc) for j ascending,
+        out = acc / total
     """
     rows = q.shape[0]
     if rows == 0:
