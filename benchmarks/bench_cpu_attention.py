@@ -4,13 +4,17 @@ heads, head_dim 64, bf16 KV, pages of 16 in a shuffled table): one layer's call 
 causal prompt of one stream, and one decode row.
 
     NUMBA_NUM_THREADS=2 python benchmarks/bench_cpu_attention.py [--reps 3] [--threads 1 2]
+    NUMBA_NUM_THREADS=1 python benchmarks/bench_cpu_attention.py --prefill 3000 [--reps 2]
 
-Prints the median of --reps timings per case (wall and CPU seconds of the process).
+Prints the median of --reps timings per case (wall and CPU seconds of the process). --prefill
+times a whole prompt of that many tokens through the Engine instead (default model, bf16 KV,
+prefix cache off, steps of 512 tokens, one token generated), old and new kernel alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 from collections.abc import Callable
@@ -65,12 +69,47 @@ def cases(rng: np.random.Generator) -> list[tuple[str, tuple]]:
     return out
 
 
+async def prefill_seconds(prompt_ids: list[int]) -> tuple[float, float]:
+    from tf_async import Engine
+
+    async with Engine(None, device="cpu", parallel=1, ctx=4096, kv_dtype="bf16", step_tokens=512,
+                      prefix_cache=False) as engine:
+        await engine.complete(prompt_ids[:600], max_tokens=1)  # compiles every kernel
+        wall, cpu = time.perf_counter(), time.process_time()
+        await engine.complete(prompt_ids, max_tokens=1)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def bench_prefill(num_tokens: int, reps: int) -> None:
+    """Old and new kernel alternating, through CpuOps.attention's call of
+    kernels.paged_attention (patched for the old one)."""
+    prompt_ids = np.random.default_rng(0).integers(100, 40000, num_tokens).tolist()
+    blocked = kernels.paged_attention
+    print("| prefill | kernel | wall s (median) | CPU s (median) | CPU ms/token |")
+    print("|---|---|---|---|---|")
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in KERNELS}
+    for _ in range(reps):
+        for label, kernel in KERNELS.items():
+            kernels.paged_attention = kernel
+            times[label].append(asyncio.run(prefill_seconds(prompt_ids)))
+    kernels.paged_attention = blocked
+    for label, runs in times.items():
+        wall = statistics.median(t[0] for t in runs)
+        cpu = statistics.median(t[1] for t in runs)
+        print(f"| {num_tokens} tokens | {label} | {wall:.1f} | {cpu:.1f} | "
+              f"{cpu / num_tokens * 1e3:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prefill", type=int, default=0, help="prompt tokens through the Engine")
     args = parser.parse_args()
+    if args.prefill:
+        bench_prefill(args.prefill, args.reps)
+        return
     print("| case | threads | kernel | wall ms (median) | CPU ms (median) | old/new (wall) |")
     print("|---|---|---|---|---|---|")
     for name, (q, kv_layer, table, row_seq, row_pos) in cases(np.random.default_rng(0)):

@@ -956,8 +956,8 @@ def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, 
     scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_VALUE_TILE, head_dim), _F32),
                np.empty((vectors + 1, np.int64(row_pos.max()) + 1), _F32),
                np.empty((vectors + 1, head_dim), _F32), np.empty(vectors, _F32))
-    first, last = _chunk(chunk, num_chunks, (starts.shape[0] - 1) * num_kv_heads)
-    for item in range(first, last):
+    # strided items: later (longer) blocks of a causal prompt spread over every chunk
+    for item in range(chunk, (starts.shape[0] - 1) * num_kv_heads, num_chunks):
         block, kv_head = item // num_kv_heads, item % num_kv_heads
         rows = (starts[block], starts[block + 1])
         _attend_block(q, kv_layer, scales, block_table[row_seq[rows[0]]], row_pos, rows,
