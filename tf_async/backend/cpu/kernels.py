@@ -247,6 +247,60 @@ dot_u8_rows1 = _fused_dot(8, 1)
 dot_u8_rows4 = _fused_dot(8, 4)
 
 
+# ----------------------------------------------------------------------------- 8x8 transpose
+_V8_F32 = ir.VectorType(ir.FloatType(), 8)
+# (a, b) lane picks of the three stages of an 8x8 float transpose (unpack, pairs, halves)
+_UNPACK = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])
+_PAIRS = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def _shuffle_pairs(builder, rows, masks):
+    out = []
+    for k in range(0, len(rows), 2):
+        for mask in masks:
+            out.append(builder.shuffle_vector(rows[k], rows[k + 1],
+                                              ir.Constant(ir.VectorType(_I32, 8), mask)))
+    return out
+
+
+def _transpose8_ir(builder, rows):
+    """Columns of the 8x8 block whose rows are `rows` (8 x <8 x float>): exact lane moves."""
+    t = _shuffle_pairs(builder, rows, _UNPACK)  # t0..t7 from (r0 r1) (r2 r3) (r4 r5) (r6 r7)
+    u = _shuffle_pairs(builder, [t[0], t[2], t[1], t[3], t[4], t[6], t[5], t[7]], _PAIRS)
+    o = _shuffle_pairs(builder, [u[0], u[4], u[1], u[5], u[2], u[6], u[3], u[7]], _HALVES)
+    return [o[0], o[2], o[4], o[6], o[1], o[3], o[5], o[7]]
+
+
+@intrinsic
+def transpose8(typingctx, src, src_start, dst, dst_start):  # noqa: ARG001
+    """dst[dst_start + k*dst_row + j] = src[src_start + j*src_row + k] for j, k < 8: an 8x8
+    block of 2D C float32 arrays transposed (rows of 8 floats moved by shuffles, no rounding)."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+            and src.dtype == dst.dtype == types.float32 and src.ndim == dst.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        s = context.make_array(signature.args[0])(context, builder, args[0])
+        d = context.make_array(signature.args[2])(context, builder, args[2])
+        s_row = cgutils.unpack_tuple(builder, s.shape)[1]
+        d_row = cgutils.unpack_tuple(builder, d.shape)[1]
+        s_at = context.cast(builder, args[1], signature.args[1], types.intp)
+        d_at = context.cast(builder, args[3], signature.args[3], types.intp)
+        rows = []
+        for k in range(8):
+            at = builder.add(s_at, builder.mul(s_row, ir.Constant(_I64, k)))
+            ptr = builder.bitcast(builder.gep(s.data, [at]), _V8_F32.as_pointer())
+            rows.append(builder.load(ptr, align=4))
+        for k, column in enumerate(_transpose8_ir(builder, rows)):
+            at = builder.add(d_at, builder.mul(d_row, ir.Constant(_I64, k)))
+            builder.store(column, builder.bitcast(builder.gep(d.data, [at]), _V8_F32.as_pointer()),
+                          align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, src_start, dst, dst_start), codegen
+
+
 # ----------------------------------------------------------------------------- conversions
 def _e4m3_table() -> np.ndarray:
     codes = np.arange(256)
@@ -823,17 +877,32 @@ def _row_blocks(row_seq):
 
 @njit(**_JIT)
 def _load_tile(kv_layer, kind, scale, pages, first, num_keys, page_size, kv_head, tile):
-    # float32 K (kind 0) into tile [hd, keys] or V (kind 1) into tile [keys, hd] for positions
-    # first..first+num_keys-1: each stored element is converted once per (row block, kv head).
+    # tile[i] = float32 K (kind 0) or V (kind 1) of position first + i, i < num_keys: each
+    # stored element is converted once per (row block, kv head).
     for i in range(num_keys):
         pos = first + i
         slot = np.int64(pages[pos // page_size]) * page_size + pos % page_size
-        for d in range(kv_layer.shape[3]):
-            value = _kv_load(kv_layer[kind, slot, kv_head, d], scale)
-            if kind == 0:
-                tile[d, i] = value
-            else:
-                tile[i, d] = value
+        src = kv_layer[kind, slot, kv_head]
+        for d in range(tile.shape[1]):
+            tile[i, d] = _kv_load(src[d], scale)
+
+
+@njit(**_JIT)
+def _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, kv_head, rows, keys_t):
+    # keys_t [hd, keys] = K of positions first.. : converted row-major into rows [keys, hd],
+    # then moved by 8x8 shuffle blocks (scalar copies for the tails)
+    _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, kv_head, rows)
+    head_dim = keys_t.shape[0]
+    full_keys, full_dims = num_keys - num_keys % 8, head_dim - head_dim % 8
+    for i in range(0, full_keys, 8):
+        for d in range(0, full_dims, 8):
+            transpose8(rows, i * head_dim + d, keys_t, d * keys_t.shape[1] + i)
+    for i in range(full_keys, num_keys):
+        for d in range(head_dim):
+            keys_t[d, i] = rows[i, d]
+    for d in range(full_dims, head_dim):
+        for i in range(full_keys):
+            keys_t[d, i] = rows[i, d]
 
 
 @njit(**_JIT)
@@ -887,14 +956,14 @@ def _pair(pair, num_vectors, spare):
 
 @njit(**_JIT)
 def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size, sm_scale,
-                  keys_t, scores):
+                  rows_tile, keys_t, scores):
     # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0])
     group = heads[1] - heads[0]
     num_vectors = (rows[1] - rows[0]) * group
     for first in range(0, max_keys, _KEY_TILE):
         num_keys = min(_KEY_TILE, max_keys - first)
-        _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, heads[0] // group,
-                   keys_t)
+        _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, heads[0] // group,
+                     rows_tile, keys_t)
         for pair in range(0, num_vectors, 2):
             a, b = _pair(pair, num_vectors, scores.shape[0] - 1)
             b_row = min(b, num_vectors - 1)  # the spare row repeats vector a's q
@@ -934,7 +1003,7 @@ def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, s
     group = heads[1] - heads[0]
     max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
     _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
-                  keys_t, scores)
+                  values, keys_t, scores)
     for vector in range((rows[1] - rows[0]) * group):
         totals[vector] = _softmax_in_place(scores[vector], row_pos[rows[0] + vector // group] + 1)
     _block_values(kv_layer, scales[1], pages, row_pos, rows, group, heads[0] // group, max_keys,
@@ -953,7 +1022,8 @@ def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, 
     group = q.shape[1] // num_kv_heads
     vectors = np.int64((starts[1:] - starts[:-1]).max()) * group
     # scores and acc have a spare last row (the partner of an odd vector out)
-    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_VALUE_TILE, head_dim), _F32),
+    # the values tile [_KEY_TILE, hd] also holds K row-major before its transpose
+    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32),
                np.empty((vectors + 1, np.int64(row_pos.max()) + 1), _F32),
                np.empty((vectors + 1, head_dim), _F32), np.empty(vectors, _F32))
     # strided items: later (longer) blocks of a causal prompt spread over every chunk
