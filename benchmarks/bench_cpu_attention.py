@@ -25,6 +25,7 @@ import numpy as np
 
 from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
+from tf_async.engine import threads
 
 PAGE_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 9, 3, 64
 KERNELS = {"rows (old)": kernels.paged_attention_rows, "blocked (new)": kernels.paged_attention}
@@ -110,11 +111,12 @@ def main() -> None:
     if args.prefill:
         bench_prefill(args.prefill, args.reps)
         return
+    threads.choose_threading_layer()  # the engine's layer (tbb where it loads)
     print("| case | threads | kernel | wall ms (median) | CPU ms (median) | old/new (wall) |")
     print("|---|---|---|---|---|---|")
     for name, (q, kv_layer, table, row_seq, row_pos) in cases(np.random.default_rng(0)):
-        for threads in args.threads:
-            numba.set_num_threads(threads)
+        for num_threads in args.threads:
+            numba.set_num_threads(num_threads)
             walls = {}
             for label, kernel in KERNELS.items():
                 call = partial(kernel, q, kv_layer, 1.0, 1.0, table, row_seq, row_pos, PAGE_SIZE,
@@ -122,8 +124,9 @@ def main() -> None:
                 wall, cpu = median_seconds(call, args.reps)
                 walls[label] = wall
                 ratio = f"{walls['rows (old)'] / wall:.2f}x" if label != "rows (old)" else ""
-                print(f"| {name} | {threads} | {label} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} "
+                print(f"| {name} | {num_threads} | {label} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} "
                       f"| {ratio} |", flush=True)
+    print("threading layer:", numba.threading_layer())
 
 
 if __name__ == "__main__":
