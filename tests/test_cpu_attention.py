@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numba import njit
 
 from tests.test_cpu_kernels import attention_reference
+from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
 
 OPS = CpuOps()
@@ -144,3 +146,18 @@ def test_row_bits_do_not_depend_on_threads(kv_dtype: str, tmp_path: Path) -> Non
     with np.load(saved) as outs:
         for name in outs.files:
             assert_rows_equal(outs[name], one_by_one, name)
+
+
+@njit(cache=False)
+def _transpose_blocks(src: np.ndarray, dst: np.ndarray) -> None:
+    for i in range(0, src.shape[0] - 7, 8):
+        for d in range(0, src.shape[1] - 7, 8):
+            kernels.transpose8(src, i * src.shape[1] + d, dst, d * dst.shape[1] + i)
+
+
+def test_transpose8_moves_8x8_blocks_exactly() -> None:
+    src = np.random.default_rng(4).standard_normal((16, 24)).astype(np.float32)
+    dst = np.full((24, 20), np.nan, np.float32)  # a row stride other than src's
+    _transpose_blocks(src, dst)
+    assert np.array_equal(dst[:, :16], src.T)
+    assert np.isnan(dst[:, 16:]).all()

@@ -277,7 +277,8 @@ def transpose8(typingctx, src, src_start, dst, dst_start):  # noqa: ARG001
     """dst[dst_start + k*dst_row + j] = src[src_start + j*src_row + k] for j, k < 8: an 8x8
     block of 2D C float32 arrays transposed (rows of 8 floats moved by shuffles, no rounding)."""
     if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
-            and src.dtype == dst.dtype == types.float32 and src.ndim == dst.ndim == 2):
+            and src.dtype == dst.dtype == types.float32 and src.ndim == dst.ndim == 2
+            and src.layout == dst.layout == "C"):
         return None
 
     def codegen(context, builder, signature, args):
