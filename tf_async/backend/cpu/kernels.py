@@ -2,7 +2,7 @@
 
 Every kernel is batch-invariant: each output row (or (row, head)) is computed by the same
 sequential code with the same reduction order, whatever the other rows of the call are.
-Parallel kernels split work over output features or (row, head) pairs, never inside a
+Parallel kernels split work over output features or (row block, head) items, never inside a
 reduction, and small calls run on the calling thread with the same per-row code.
 The quantized matmul is a hand-written LLVM vector loop (see "intrinsics") whose order is
 fixed by construction; the other reductions live in small `fastmath` helpers that LLVM
@@ -28,6 +28,9 @@ _FEATURE_BLOCK_FLOATS = 6144  # dequantized weights per block (24 KiB: stays in 
 _MAX_CHUNKS = 32
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a kernel runs on the calling thread
 _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
+_ROW_BLOCK = 32  # attention: query rows of one stream that share converted K/V tiles
+_KEY_TILE = 128  # attention: keys converted to float32 at once (K^T tile: 32 KiB at hd 64)
+_VALUE_TILE = 64  # attention: values converted at once (16 KiB at hd 64)
 
 
 # ----------------------------------------------------------------------------- intrinsics
@@ -242,6 +245,61 @@ dot_u4_rows1 = _fused_dot(4, 1)
 dot_u4_rows4 = _fused_dot(4, 4)
 dot_u8_rows1 = _fused_dot(8, 1)
 dot_u8_rows4 = _fused_dot(8, 4)
+
+
+# ----------------------------------------------------------------------------- 8x8 transpose
+_V8_F32 = ir.VectorType(ir.FloatType(), 8)
+# (a, b) lane picks of the three stages of an 8x8 float transpose (unpack, pairs, halves)
+_UNPACK = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])
+_PAIRS = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+_HALVES = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def _shuffle_pairs(builder, rows, masks):
+    out = []
+    for k in range(0, len(rows), 2):
+        for mask in masks:
+            out.append(builder.shuffle_vector(rows[k], rows[k + 1],
+                                              ir.Constant(ir.VectorType(_I32, 8), mask)))
+    return out
+
+
+def _transpose8_ir(builder, rows):
+    """Columns of the 8x8 block whose rows are `rows` (8 x <8 x float>): exact lane moves."""
+    t = _shuffle_pairs(builder, rows, _UNPACK)  # t0..t7 from (r0 r1) (r2 r3) (r4 r5) (r6 r7)
+    u = _shuffle_pairs(builder, [t[0], t[2], t[1], t[3], t[4], t[6], t[5], t[7]], _PAIRS)
+    o = _shuffle_pairs(builder, [u[0], u[4], u[1], u[5], u[2], u[6], u[3], u[7]], _HALVES)
+    return [o[0], o[2], o[4], o[6], o[1], o[3], o[5], o[7]]
+
+
+@intrinsic
+def transpose8(typingctx, src, src_start, dst, dst_start):  # noqa: ARG001
+    """dst[dst_start + k*dst_row + j] = src[src_start + j*src_row + k] for j, k < 8: an 8x8
+    block of 2D C float32 arrays transposed (rows of 8 floats moved by shuffles, no rounding)."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+            and src.dtype == dst.dtype == types.float32 and src.ndim == dst.ndim == 2
+            and src.layout == dst.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        s = context.make_array(signature.args[0])(context, builder, args[0])
+        d = context.make_array(signature.args[2])(context, builder, args[2])
+        s_row = cgutils.unpack_tuple(builder, s.shape)[1]
+        d_row = cgutils.unpack_tuple(builder, d.shape)[1]
+        s_at = context.cast(builder, args[1], signature.args[1], types.intp)
+        d_at = context.cast(builder, args[3], signature.args[3], types.intp)
+        rows = []
+        for k in range(8):
+            at = builder.add(s_at, builder.mul(s_row, ir.Constant(_I64, k)))
+            ptr = builder.bitcast(builder.gep(s.data, [at]), _V8_F32.as_pointer())
+            rows.append(builder.load(ptr, align=4))
+        for k, column in enumerate(_transpose8_ir(builder, rows)):
+            at = builder.add(d_at, builder.mul(d_row, ir.Constant(_I64, k)))
+            builder.store(column, builder.bitcast(builder.gep(d.data, [at]), _V8_F32.as_pointer()),
+                          align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, src_start, dst, dst_start), codegen
 
 
 # ----------------------------------------------------------------------------- conversions
@@ -764,7 +822,7 @@ def _attend_one(q_row, kv_layer, scales, pages, pos, page_size, sm_scale, kv_hea
 
 
 @njit(**_JIT)
-def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+def _rows_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
                      page_size, sm_scale, out):
     rows, num_heads, head_dim = q.shape
     group = num_heads // kv_layer.shape[2]
@@ -778,12 +836,213 @@ def _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_se
 
 
 @njit(**_JIT, parallel=True)
-def _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
+def _rows_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size, sm_scale,
                         out):
     num_chunks = _num_chunks(q.shape[0] * q.shape[1])
     for chunk in prange(num_chunks):
-        _attention_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+        _rows_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
                          page_size, sm_scale, out)
+
+
+@njit(**_JIT)
+def paged_attention_rows(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos,
+                         page_size, sm_scale, out):
+    """The session-11 kernel, kept for benchmarks/bench_cpu_attention.py: paged_attention's
+    arguments, each (row, head) alone (a fastmath dot over head_dim per key, K and V converted
+    per (row, head)). Batch-invariant too, with other bits than paged_attention."""
+    rows, num_heads, head_dim = q.shape
+    if rows == 0:
+        return
+    scales = (_F32(k_scale), _F32(v_scale))
+    work = rows * num_heads * head_dim * (np.int64(row_pos.max()) + 1)
+    if work >= _PARALLEL_MIN_WORK:
+        _rows_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                            _F32(sm_scale), out)
+    else:
+        _rows_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+                         _F32(sm_scale), out)
+
+
+@njit(**_JIT)
+def _row_blocks(row_seq):
+    # [blocks + 1] starts: runs of consecutive rows of one stream, at most _ROW_BLOCK rows each
+    starts = np.empty(row_seq.shape[0] + 1, np.int64)
+    count = 0
+    for r in range(row_seq.shape[0]):
+        if r == 0 or row_seq[r] != row_seq[r - 1] or r - starts[count - 1] == _ROW_BLOCK:
+            starts[count] = r
+            count += 1
+    starts[count] = row_seq.shape[0]
+    return starts[:count + 1]
+
+
+@njit(**_JIT)
+def _load_tile(kv_layer, kind, scale, pages, first, num_keys, page_size, kv_head, tile):
+    # tile[i] = float32 K (kind 0) or V (kind 1) of position first + i, i < num_keys: each
+    # stored element is converted once per (row block, kv head).
+    for i in range(num_keys):
+        pos = first + i
+        slot = np.int64(pages[pos // page_size]) * page_size + pos % page_size
+        src = kv_layer[kind, slot, kv_head]
+        for d in range(tile.shape[1]):
+            tile[i, d] = _kv_load(src[d], scale)
+
+
+@njit(**_JIT)
+def _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, kv_head, rows, keys_t):
+    # keys_t [hd, keys] = K of positions first.. : converted row-major into rows [keys, hd],
+    # then moved by 8x8 shuffle blocks (scalar copies for the tails)
+    _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, kv_head, rows)
+    head_dim = keys_t.shape[0]
+    full_keys, full_dims = num_keys - num_keys % 8, head_dim - head_dim % 8
+    for i in range(0, full_keys, 8):
+        for d in range(0, full_dims, 8):
+            transpose8(rows, i * head_dim + d, keys_t, d * keys_t.shape[1] + i)
+    for i in range(full_keys, num_keys):
+        for d in range(head_dim):
+            keys_t[d, i] = rows[i, d]
+    for d in range(full_dims, head_dim):
+        for i in range(full_keys):
+            keys_t[d, i] = rows[i, d]
+
+
+@njit(**_JIT)
+def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
+    # scores_x[j] = (fma chain of q_x[d] * K[j, d], d ascending) * sm_scale for two query
+    # vectors sharing each key load. The loops run across keys (vectorised without
+    # reassociation): a key's order is fixed by head_dim alone.
+    head_dim = keys_t.shape[0]
+    scores_a[:num_keys] = 0
+    scores_b[:num_keys] = 0
+    for d in range(0, head_dim - head_dim % 4, 4):
+        a0, a1, a2, a3 = q_a[d], q_a[d + 1], q_a[d + 2], q_a[d + 3]
+        b0, b1, b2, b3 = q_b[d], q_b[d + 1], q_b[d + 2], q_b[d + 3]
+        for j in range(num_keys):
+            k0, k1, k2, k3 = keys_t[d, j], keys_t[d + 1, j], keys_t[d + 2, j], keys_t[d + 3, j]
+            sa, sb = scores_a[j], scores_b[j]
+            scores_a[j] = fma32(a3, k3, fma32(a2, k2, fma32(a1, k1, fma32(a0, k0, sa))))
+            scores_b[j] = fma32(b3, k3, fma32(b2, k2, fma32(b1, k1, fma32(b0, k0, sb))))
+    for d in range(head_dim - head_dim % 4, head_dim):
+        for j in range(num_keys):
+            scores_a[j] = fma32(q_a[d], keys_t[d, j], scores_a[j])
+            scores_b[j] = fma32(q_b[d], keys_t[d, j], scores_b[j])
+    for j in range(num_keys):
+        scores_a[j] = scores_a[j] * sm_scale
+        scores_b[j] = scores_b[j] * sm_scale
+
+
+@njit(**_JIT)
+def _tile_values(probs_a, probs_b, values, num_keys, acc_a, acc_b):
+    # acc_x[d] = fma(probs_x[j], V[j, d], acc_x[d]) for j ascending: two vectors sharing each
+    # value load, four keys per pass over the accumulators
+    for j in range(0, num_keys - num_keys % 4, 4):
+        a0, a1, a2, a3 = probs_a[j], probs_a[j + 1], probs_a[j + 2], probs_a[j + 3]
+        b0, b1, b2, b3 = probs_b[j], probs_b[j + 1], probs_b[j + 2], probs_b[j + 3]
+        for d in range(acc_a.shape[0]):
+            v0, v1, v2, v3 = values[j, d], values[j + 1, d], values[j + 2, d], values[j + 3, d]
+            xa, xb = acc_a[d], acc_b[d]
+            acc_a[d] = fma32(a3, v3, fma32(a2, v2, fma32(a1, v1, fma32(a0, v0, xa))))
+            acc_b[d] = fma32(b3, v3, fma32(b2, v2, fma32(b1, v1, fma32(b0, v0, xb))))
+    for j in range(num_keys - num_keys % 4, num_keys):
+        for d in range(acc_a.shape[0]):
+            acc_a[d] = fma32(probs_a[j], values[j, d], acc_a[d])
+            acc_b[d] = fma32(probs_b[j], values[j, d], acc_b[d])
+
+
+@njit(**_JIT)
+def _pair(pair, num_vectors, spare):
+    # vectors (pair, pair + 1); an odd last vector is paired with the spare scratch row
+    return pair, pair + 1 if pair + 1 < num_vectors else spare
+
+
+@njit(**_JIT)
+def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size, sm_scale,
+                  rows_tile, keys_t, scores):
+    # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0])
+    group = heads[1] - heads[0]
+    num_vectors = (rows[1] - rows[0]) * group
+    for first in range(0, max_keys, _KEY_TILE):
+        num_keys = min(_KEY_TILE, max_keys - first)
+        _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, heads[0] // group,
+                     rows_tile, keys_t)
+        for pair in range(0, num_vectors, 2):
+            a, b = _pair(pair, num_vectors, scores.shape[0] - 1)
+            b_row = min(b, num_vectors - 1)  # the spare row repeats vector a's q
+            _tile_scores(q[rows[0] + a // group, heads[0] + a % group],
+                         q[rows[0] + b_row // group, heads[0] + b_row % group], keys_t,
+                         num_keys, sm_scale, scores[a, first:], scores[b, first:])
+
+
+@njit(**_JIT)
+def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_keys, page_size,
+                  values, probs, acc):
+    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending.
+    # A pair runs their common keys together, then the longer one's rest with the spare row.
+    num_vectors = (rows[1] - rows[0]) * group
+    spare = acc.shape[0] - 1
+    acc[:] = 0
+    for first in range(0, max_keys, _VALUE_TILE):
+        num_keys = min(_VALUE_TILE, max_keys - first)
+        _load_tile(kv_layer, 1, v_scale, pages, first, num_keys, page_size, kv_head, values)
+        for pair in range(0, num_vectors, 2):
+            a, b = _pair(pair, num_vectors, spare)
+            keys_a = max(0, min(num_keys, row_pos[rows[0] + a // group] + 1 - first))
+            keys_b = 0 if b == spare else max(0, min(num_keys, row_pos[rows[0] + b // group] + 1 - first))
+            common = min(keys_a, keys_b)
+            _tile_values(probs[a, first:], probs[b, first:], values, common, acc[a], acc[b])
+            longer = a if keys_a > keys_b else b
+            _tile_values(probs[longer, first + common:], probs[longer, first + common:],
+                         values[common:], max(keys_a, keys_b) - common, acc[longer], acc[spare])
+
+
+@njit(**_JIT)
+def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, sm_scale,
+                  scratch, out):
+    # Rows rows[0]..rows[1]-1 of one stream x the query heads heads[0]..heads[1]-1 of one kv
+    # head: whole-row scores, softmax over 0..pos, weighted values; K and V converted per tile.
+    keys_t, values, scores, acc, totals = scratch
+    group = heads[1] - heads[0]
+    max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
+    _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
+                  values, keys_t, scores)
+    for vector in range((rows[1] - rows[0]) * group):
+        totals[vector] = _softmax_in_place(scores[vector], row_pos[rows[0] + vector // group] + 1)
+    _block_values(kv_layer, scales[1], pages, row_pos, rows, group, heads[0] // group, max_keys,
+                  page_size, values, scores, acc)
+    for vector in range((rows[1] - rows[0]) * group):
+        r, h = rows[0] + vector // group, heads[0] + vector % group
+        for d in range(acc.shape[1]):
+            out[r, h, d] = acc[vector, d] / totals[vector]
+
+
+@njit(**_JIT)
+def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                  starts, page_size, sm_scale, out):
+    # items: (row block, kv head), block-major; the chunk's scratch is allocated once
+    head_dim, num_kv_heads = q.shape[2], kv_layer.shape[2]
+    group = q.shape[1] // num_kv_heads
+    vectors = np.int64((starts[1:] - starts[:-1]).max()) * group
+    # scores and acc have a spare last row (the partner of an odd vector out)
+    # the values tile [_KEY_TILE, hd] also holds K row-major before its transpose
+    scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32),
+               np.empty((vectors + 1, np.int64(row_pos.max()) + 1), _F32),
+               np.empty((vectors + 1, head_dim), _F32), np.empty(vectors, _F32))
+    # strided items: later (longer) blocks of a causal prompt spread over every chunk
+    for item in range(chunk, (starts.shape[0] - 1) * num_kv_heads, num_chunks):
+        block, kv_head = item // num_kv_heads, item % num_kv_heads
+        rows = (starts[block], starts[block + 1])
+        _attend_block(q, kv_layer, scales, block_table[row_seq[rows[0]]], row_pos, rows,
+                      (kv_head * group, (kv_head + 1) * group), page_size, sm_scale, scratch,
+                      out)
+
+
+@njit(**_JIT, parallel=True)
+def _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts, page_size,
+                     sm_scale, out):
+    num_chunks = _num_chunks((starts.shape[0] - 1) * kv_layer.shape[2])
+    for chunk in prange(num_chunks):
+        _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, row_pos,
+                      starts, page_size, sm_scale, out)
 
 
 @njit(**_JIT)
@@ -792,18 +1051,27 @@ def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos
     """Causal GQA over paged KV. q/out [rows, nh, hd] float32; kv_layer [2, num_slots, nkv, hd];
     block_table [seqs, max_pages] int32; row_seq [rows] int32; row_pos [rows] int64.
     Row r attends positions 0..row_pos[r] of stream row_seq[r]; kv head = h // (nh // nkv).
-    Each (row, head) runs the same sequential code; pairs are split across threads."""
-    rows, num_heads, head_dim = q.shape
+    Work items are (block of up to _ROW_BLOCK consecutive rows of one stream, kv head): K and
+    V tiles are converted to float32 once per item and shared by its rows and query heads; a
+    decode row is a block of one. A (row, head)'s arithmetic is fixed by its q, keys and pos
+    alone, whatever the blocks, chunks and threads (batch-invariant):
+
+        score_j = fma(q[hd-1], K[j,hd-1], ... fma(q[0], K[j,0], 0)) * sm_scale
+        p_j = exp(score_j - max), total = _sum(p), acc = fma(p_j, V[j], acc) for j ascending,
+        out = acc / total
+    """
+    rows = q.shape[0]
     if rows == 0:
         return
     scales = (_F32(k_scale), _F32(v_scale))
-    work = rows * num_heads * head_dim * (np.int64(row_pos.max()) + 1)
+    starts = _row_blocks(row_seq)
+    work = rows * q.shape[1] * q.shape[2] * (np.int64(row_pos.max()) + 1)
     if work >= _PARALLEL_MIN_WORK:
-        _attention_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
-                            _F32(sm_scale), out)
-    else:
-        _attention_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, page_size,
+        _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts, page_size,
                          _F32(sm_scale), out)
+    else:
+        _blocks_chunk(0, 1, q, kv_layer, scales, block_table, row_seq, row_pos, starts,
+                      page_size, _F32(sm_scale), out)
 
 
 # ----------------------------------------------------------------------------- MoE routing

@@ -1,0 +1,163 @@
+"""CPU paged attention: values vs a float64 NumPy reference, and a row's bits independent of
+the call it is in (other rows, other streams, how rows are cut into calls, row blocks, chunks
+and threads). Stream 0's run of 40 rows spans two row blocks (32 rows); stream 2's rows end
+on both sides of key and value tile edges; page tables are out of order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numba import njit
+
+from tests.test_cpu_kernels import attention_reference
+from tf_async.backend.cpu import kernels
+from tf_async.backend.cpu.ops import CpuOps
+
+OPS = CpuOps()
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_SIZE, NUM_PAGES, NUM_KV_HEADS, NUM_HEADS, HEAD_DIM = 5, 62, 2, 6, 32
+# stream -> its pages in position order (shuffled arena order): 60, 50 and 200 positions, so
+# stream 2 spans two key tiles (128 keys) and four value tiles (64)
+_SHUFFLED = np.random.default_rng(21).permutation(NUM_PAGES).tolist()
+PAGE_MAP = [_SHUFFLED[:12], _SHUFFLED[12:22], _SHUFFLED[22:]]
+
+
+@dataclass(slots=True, frozen=True)
+class Case:
+    q: np.ndarray  # [rows, nh, hd] float32
+    kv: np.ndarray  # [1, 2, slots, nkv, hd]
+    scales: np.ndarray  # [1, 2] float32
+    block_table: np.ndarray  # [seqs, max_pages] int32
+    row_seq: np.ndarray  # [rows] int32
+    row_pos: np.ndarray  # [rows] int64
+
+    def run(self, rows: np.ndarray) -> np.ndarray:
+        return OPS.attention(self.q[rows], self.kv, 0, self.scales, self.block_table,
+                             self.row_seq[rows], self.row_pos[rows], PAGE_SIZE, 0.17)
+
+    def reference(self) -> np.ndarray:
+        return attention_reference(self.q, self.kv[0], tuple(self.scales[0]), self.block_table,
+                                   self.row_seq, self.row_pos, PAGE_SIZE, 0.17)
+
+
+def mixed_case(kv_dtype: str, seed: int = 3, head_dim: int = HEAD_DIM) -> Case:
+    """Stream 0: a prompt run 0..39 (longer than a row block); stream 1: rows with gaps;
+    stream 2: runs across tile edges and a decode row; interleaved as a round might send."""
+    rng = np.random.default_rng(seed)
+    kv = OPS.alloc_kv(1, NUM_PAGES * PAGE_SIZE, NUM_KV_HEADS, head_dim, kv_dtype)
+    scales = np.array([[0.06, 0.09]], np.float32) if kv_dtype == "fp8" else None
+    for pages in PAGE_MAP:
+        pos = np.arange(len(pages) * PAGE_SIZE)
+        slots = np.array(pages, np.int64)[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        k = rng.standard_normal((pos.size, NUM_KV_HEADS, head_dim)).astype(np.float32)
+        v = rng.standard_normal((pos.size, NUM_KV_HEADS, head_dim)).astype(np.float32)
+        OPS.kv_write(kv, 0, k, v, slots, scales)
+    width = max(len(p) for p in PAGE_MAP)
+    table = np.array([p + [-1] * (width - len(p)) for p in PAGE_MAP], np.int32)
+    runs = [(2, [70, 71, 72]), (0, list(range(40))), (1, [3, 7, 8, 20, 33, 34, 49]),
+            (2, list(range(124, 132))), (2, [199]), (0, [55, 59]), (1, [0]), (2, [63, 64])]
+    row_seq = np.array([s for s, ps in runs for _ in ps], np.int32)
+    row_pos = np.array([p for _, ps in runs for p in ps], np.int64)
+    q = rng.standard_normal((row_seq.size, NUM_HEADS, head_dim)).astype(np.float32)
+    return Case(q, kv, np.ones((1, 2), np.float32) if scales is None else scales, table,
+                row_seq, row_pos)
+
+
+def random_splits(case: Case, seed: int) -> np.ndarray:
+    """All rows in their order, cut into calls of random sizes (1..25 rows)."""
+    rng = np.random.default_rng(seed)
+    rows, parts = case.row_seq.size, []
+    start = 0
+    while start < rows:
+        stop = min(rows, start + int(rng.integers(1, 26)))
+        parts.append(case.run(np.arange(start, stop)))
+        start = stop
+    return np.concatenate(parts)
+
+
+def assert_rows_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    for r in range(want.shape[0]):
+        assert np.array_equal(got[r], want[r], equal_nan=True), f"row {r}: {what}"
+
+
+@pytest.mark.parametrize(("kv_dtype", "head_dim"), [("f32", 32), ("bf16", 32), ("fp8", 32),
+                                                    ("f32", 30)])
+def test_attention_matches_float64_reference(kv_dtype: str, head_dim: int) -> None:
+    case = mixed_case(kv_dtype, head_dim=head_dim)  # head_dim 30: the score loop's d tail
+    out = case.run(np.arange(case.row_seq.size))
+    np.testing.assert_allclose(out, case.reference(), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(("kv_dtype", "head_dim"), [("f32", 32), ("bf16", 32), ("f32", 30)])
+def test_row_bits_do_not_depend_on_the_call(kv_dtype: str, head_dim: int) -> None:
+    case = mixed_case(kv_dtype, head_dim=head_dim)
+    rows = case.row_seq.size
+    whole = case.run(np.arange(rows))
+    one_by_one = np.concatenate([case.run(np.array([r])) for r in range(rows)])
+    assert_rows_equal(one_by_one, whole, "one row per call")
+    for seed in (1, 2):
+        assert_rows_equal(random_splits(case, seed), whole, f"random split {seed}")
+    order = np.random.default_rng(5).permutation(rows)
+    assert_rows_equal(case.run(order), whole[order], "shuffled rows")
+    stream0 = np.flatnonzero(case.row_seq == 0)
+    others = np.flatnonzero(case.row_seq != 0)
+    interleaved = np.empty(stream0.size + others.size, np.int64)
+    interleaved[0::2][:others.size], interleaved[1::2][:others.size] = others, stream0[:others.size]
+    interleaved[2 * others.size:] = stream0[others.size:]
+    assert_rows_equal(case.run(interleaved), whole[interleaved], "interleaved streams")
+    assert_rows_equal(case.run(stream0), whole[stream0], "stream 0 alone")
+    reversed_run = stream0[::-1]
+    assert_rows_equal(case.run(reversed_run), whole[reversed_run], "stream 0 reversed")
+
+
+THREADS_SCRIPT = textwrap.dedent("""
+    import sys
+    import numba
+    import numpy as np
+    from tests.test_cpu_attention import mixed_case, random_splits
+
+    case = mixed_case(sys.argv[2])
+    outs = {}
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        outs[f"whole{threads}"] = case.run(np.arange(case.row_seq.size))
+        outs[f"split{threads}"] = random_splits(case, 7)
+    np.savez(sys.argv[1], **outs)
+""")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16"])
+def test_row_bits_do_not_depend_on_threads(kv_dtype: str, tmp_path: Path) -> None:
+    # A fresh process: this one runs Numba with one thread (conftest).
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    saved = tmp_path / "outs.npz"
+    done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, str(saved), kv_dtype], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    case = mixed_case(kv_dtype)
+    one_by_one = np.concatenate([case.run(np.array([r])) for r in range(case.row_seq.size)])
+    with np.load(saved) as outs:
+        for name in outs.files:
+            assert_rows_equal(outs[name], one_by_one, name)
+
+
+@njit(cache=False)
+def _transpose_blocks(src: np.ndarray, dst: np.ndarray) -> None:
+    for i in range(0, src.shape[0] - 7, 8):
+        for d in range(0, src.shape[1] - 7, 8):
+            kernels.transpose8(src, i * src.shape[1] + d, dst, d * dst.shape[1] + i)
+
+
+def test_transpose8_moves_8x8_blocks_exactly() -> None:
+    src = np.random.default_rng(4).standard_normal((16, 24)).astype(np.float32)
+    dst = np.full((24, 20), np.nan, np.float32)  # a row stride other than src's
+    _transpose_blocks(src, dst)
+    assert np.array_equal(dst[:, :16], src.T)
+    assert np.isnan(dst[:, 16:]).all()
