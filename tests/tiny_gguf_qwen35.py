@@ -66,7 +66,8 @@ def _linear_attn(rest: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
         elif rest.endswith("out_proj.weight"):
             w = to_tiled(w, 1, hk, hv, dv)
     if rest.endswith("A_log"):
-        w = -np.exp(w.astype(np.float32))
+        # the converter's float32 -exp (torch); here the correctly rounded float32 of it
+        w = (-np.exp(w.astype(np.float64))).astype(np.float32)
     return w
 
 
@@ -93,7 +94,8 @@ def gguf_qwen35_tensors(cfg: dict[str, Any], weights: dict[str, np.ndarray], *,
     for name, w in weights.items():
         target = _gguf_name(name, cfg["num_hidden_layers"])
         if not target.startswith("blk.") or ".nextn." in target:
-            out[target] = w + np.float32(1) if name.endswith("norm.weight") else w
+            # the converter renames mtp.* first, so enorm / hnorm / shared_head_norm shift too
+            out[target] = w + np.float32(1) if target.endswith("norm.weight") else w
             continue
         _, index, rest = target.split(".", 2)
         prefix = f"blk.{index}."
@@ -156,6 +158,7 @@ def write_qwen35_gguf(path: str | Path, cfg: dict[str, Any], weights: dict[str, 
     arch = "qwen35moe" if cfg["model_type"] == "qwen3_5_moe" else "qwen35"
     meta = {**qwen35_metadata(cfg), **(metadata or {})}
     meta = {k: v for k, v in meta.items() if v is not None}
+    arch = meta.pop("general.architecture", arch)  # the writer adds it first
     tensors: dict[str, tuple[np.ndarray, str | None]] = {}
     for name, w in gguf_qwen35_tensors(cfg, weights, fused_experts=fused_experts).items():
         if name in drop:

@@ -106,11 +106,11 @@ def _check_tensor_extents(reader: GGUFReader, path: Path) -> None:
 def reader_metadata(reader: GGUFReader) -> dict[str, Any]:
     """All key/values of an open reader as plain Python values (str, int, float, bool, lists)."""
     out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+    for key, meta_field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's pseudo-keys (version, counts)
             continue
-        value = field.contents()
-        if field.types == [GGUFValueType.FLOAT32]:  # shortest spelling: 1e-05, not 9.99999974e-06
+        value = meta_field.contents()
+        if meta_field.types == [GGUFValueType.FLOAT32]:  # shortest spelling: 1e-05, not 9.99999974e-06
             value = float(str(np.float32(value)))
         out[key] = value
     return out

@@ -186,15 +186,29 @@ def split_rows(w: Linear, at: int) -> tuple[Linear, Linear]:
     """[..., out, in] -> rows [0, at) and [at, out) (fused gate_up experts)."""
     if isinstance(w, DenseWeight):
         return DenseWeight(w.w[..., :at, :]), DenseWeight(w.w[..., at:, :])
-    parts = [(a[..., :at, :], a[..., at:, :]) for a in (w.codes, w.scales, w.biases)]
-    return (AffineWeight(*(p[0] for p in parts), w.bits, w.group_size),
-            AffineWeight(*(p[1] for p in parts), w.bits, w.group_size))
+    def half(a: np.ndarray, lower: bool) -> np.ndarray:
+        return a[..., :at, :] if lower else a[..., at:, :]
+
+    return (AffineWeight(half(w.codes, True), half(w.scales, True), half(w.biases, True),
+                         w.bits, w.group_size),
+            AffineWeight(half(w.codes, False), half(w.scales, False), half(w.biases, False),
+                         w.bits, w.group_size))
 
 
 def a_log_from_ssm_a(ssm_a: np.ndarray, name: str, source: str) -> np.ndarray:
+    """A_log from llama.cpp's `ssm_a = -exp(A_log)`: of the float32 neighbours of log(-ssm_a),
+    one whose (correctly rounded) exp is exactly the stored value, so the decay the kernels
+    compute equals the file's."""
     if not np.all(ssm_a < 0):
         raise ModelFormatError(f"{source}: tensor {name!r} must be negative (-exp(A_log))")
-    return np.log(-ssm_a.astype(np.float64)).astype(np.float32)
+    decay = -ssm_a.astype(np.float32)
+    nearest = np.log(decay.astype(np.float64)).astype(np.float32)
+    best = nearest.copy()
+    for candidate in (np.nextafter(nearest, np.float32(-np.inf)),
+                      np.nextafter(nearest, np.float32(np.inf)), nearest):
+        exact = np.exp(candidate.astype(np.float64)).astype(np.float32) == decay
+        best = np.where(exact, candidate, best)
+    return best.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------
