@@ -215,6 +215,20 @@ def test_fused_gate_up_experts_load_the_same(tmp_path, qtype):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+def test_a_squeezed_shared_expert_gate_loads_the_same(tmp_path):
+    pair = write_pair(tmp_path, True)
+
+    def squeeze(arrays: dict[str, np.ndarray]) -> None:
+        for name in [n for n in arrays if n.endswith("ffn_gate_inp_shexp.weight")]:
+            arrays[name] = arrays[name][0]  # [1, H] -> [H]
+
+    squeezed = load_checkpoint(write_qwen35_gguf(tmp_path / "sq.gguf", pair.cfg, pair.weights,
+                                                 edit=squeeze))
+    for name, got, want in weight_pairs(squeezed, pair.gguf):
+        if isinstance(want, np.ndarray):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 def test_a_file_without_mtp_says_so(tmp_path):
     cfg = tq.tiny_qwen35_config(moe=False, mtp_num_hidden_layers=0)
     weights = tq.random_qwen35_weights(cfg, seed=2)

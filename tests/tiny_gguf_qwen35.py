@@ -6,6 +6,7 @@ dt_bias -> ssm_dt.bias, fused experts split (or kept fused), `mtp.*` -> block n_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,16 +152,20 @@ def qwen35_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def write_qwen35_gguf(path: str | Path, cfg: dict[str, Any], weights: dict[str, np.ndarray], *,
                       qtype: str = "F32", fused_experts: bool = False,
-                      drop: tuple[str, ...] = (), metadata: dict[str, Any] | None = None) -> Path:
+                      drop: tuple[str, ...] = (), metadata: dict[str, Any] | None = None,
+                      edit: Callable[[dict[str, np.ndarray]], None] | None = None) -> Path:
     """Write the tiny hybrid as a GGUF: 2-D/3-D weights as `qtype` (where blocks tile the rows,
     else Q8_0 / F32), conv kernels and vectors F32; `drop` leaves tensors out; `metadata`
-    overrides keys (None deletes one)."""
+    overrides keys (None deletes one); `edit` changes the GGUF-named float arrays in place."""
     arch = "qwen35moe" if cfg["model_type"] == "qwen3_5_moe" else "qwen35"
     meta = {**qwen35_metadata(cfg), **(metadata or {})}
     meta = {k: v for k, v in meta.items() if v is not None}
     arch = meta.pop("general.architecture", arch)  # the writer adds it first
+    arrays = gguf_qwen35_tensors(cfg, weights, fused_experts=fused_experts)
+    if edit is not None:
+        edit(arrays)
     tensors: dict[str, tuple[np.ndarray, str | None]] = {}
-    for name, w in gguf_qwen35_tensors(cfg, weights, fused_experts=fused_experts).items():
+    for name, w in arrays.items():
         if name in drop:
             continue
         wanted = QType.F32 if name.endswith(_ALWAYS_F32) else QType[qtype]
