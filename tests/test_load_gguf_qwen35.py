@@ -237,14 +237,24 @@ def test_a_file_without_mtp_says_so(tmp_path):
     assert ckpt.weights.mtp is None and ckpt.meta["mtp"] == "not declared"
 
 
-# ---------------------------------------------------------------------------------------
-# bad files
-
-
 @pytest.fixture(scope="module")
 def dense_source() -> tuple[dict, dict]:
     cfg = tq.tiny_qwen35_config(moe=False)
     return cfg, tq.random_qwen35_weights(cfg, seed=4)
+
+
+def test_the_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path, dense_source):
+    cfg, weights = dense_source
+    path = write_qwen35_gguf(tmp_path / "pre.gguf", cfg, weights,
+                             metadata={"tokenizer.ggml.pre": "qwen35"})  # as llama.cpp writes it
+    pre = load_checkpoint(path).tokenizer.hf_tokenizer.pre_tokenizer
+    assert [p for p, _ in pre.pre_tokenize_str("cafe\u0301 x\u0301!")] == ["cafeÌģ", "ĠxÌģ", "!"]
+    assert [p for p, _ in pre.pre_tokenize_str("I'M 12345 abc!!\n\n  x")] == [  # as qwen2
+        "I", "'M", "Ġ", "1", "2", "3", "4", "5", "Ġabc", "!!ĊĊ", "Ġ", "Ġx"]
+
+
+# ---------------------------------------------------------------------------------------
+# bad files
 
 
 @pytest.mark.parametrize(("edit", "message"), [
