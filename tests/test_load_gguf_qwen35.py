@@ -215,6 +215,20 @@ def test_fused_gate_up_experts_load_the_same(tmp_path, qtype):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.parametrize(("extra", "status"), [
+    ("nextn.embed_tokens.weight", "unsupported: mtp_use_dedicated_embeddings is true"),
+    ("nextn.shared_head_head.weight", "unsupported: the GGUF's MTP block has its own head"),
+])
+def test_an_mtp_block_we_cannot_run_loads_without_it_and_says_why(tmp_path, extra, status):
+    cfg = tq.tiny_qwen35_config(moe=False)
+    weights = tq.random_qwen35_weights(cfg, seed=8)
+    path = write_qwen35_gguf(tmp_path / "mtp.gguf", cfg, weights, edit=lambda a: a.update(
+        {f"blk.4.{extra}": np.ones((cfg["vocab_size"], cfg["hidden_size"]), np.float32)}))
+    ckpt = load_checkpoint(path)
+    assert isinstance(ckpt.weights, HybridWeights) and ckpt.weights.mtp is None
+    assert str(ckpt.meta["mtp"]).startswith(status)
+
+
 def test_a_squeezed_shared_expert_gate_loads_the_same(tmp_path):
     pair = write_pair(tmp_path, True)
 
@@ -268,6 +282,8 @@ def test_the_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tmp_path, dense
     ({"metadata": {"qwen35.full_attention_interval": 2}}, r"missing tensor 'blk\.1\.attn_q\.weight'"),
     ({"metadata": {"qwen35.nextn_predict_layers": None, "qwen35.block_count": 4}},
      r"unexpected tensor\(s\) for qwen35: \['blk\.4\."),
+    ({"edit": lambda a: a.update({"blk.0.ssm_in.weight": np.zeros((8, 64), np.float32)})},
+     r"unexpected tensor\(s\) for qwen35: \['blk\.0\.ssm_in\.weight'\]"),
     ({"metadata": {"general.architecture": "qwen3next"}},
      r"unknown architecture general\.architecture='qwen3next'"),
 ])

@@ -3,6 +3,7 @@
 Tensors are memory-mapped; F32 tensors are used in place, quantized ones are repacked into
 AffineWeight (models/ggml_quants.py). llama-arch files have their Q/K rows permuted by
 llama.cpp's converter; we undo that here so the decoder sees HF row order for every format.
+The qwen35 / qwen35moe hybrids are read by models/gguf_qwen35.py (load_gguf dispatches).
 """
 
 from __future__ import annotations
