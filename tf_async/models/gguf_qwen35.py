@@ -186,6 +186,7 @@ def split_rows(w: Linear, at: int) -> tuple[Linear, Linear]:
     """[..., out, in] -> rows [0, at) and [at, out) (fused gate_up experts)."""
     if isinstance(w, DenseWeight):
         return DenseWeight(w.w[..., :at, :]), DenseWeight(w.w[..., at:, :])
+
     def half(a: np.ndarray, lower: bool) -> np.ndarray:
         return a[..., :at, :] if lower else a[..., at:, :]
 
