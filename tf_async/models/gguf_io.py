@@ -3,13 +3,14 @@
 Tensors are memory-mapped; F32 tensors are used in place, quantized ones are repacked into
 AffineWeight (models/ggml_quants.py). llama-arch files have their Q/K rows permuted by
 llama.cpp's converter; we undo that here so the decoder sees HF row order for every format.
+The qwen35 / qwen35moe hybrids are read by models/gguf_qwen35.py (load_gguf dispatches).
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,11 @@ def _check_tensor_extents(reader: GGUFReader, path: Path) -> None:
 def reader_metadata(reader: GGUFReader) -> dict[str, Any]:
     """All key/values of an open reader as plain Python values (str, int, float, bool, lists)."""
     out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+    for key, meta_field in reader.fields.items():
         if key.startswith("GGUF."):  # the reader's pseudo-keys (version, counts)
             continue
-        value = field.contents()
-        if field.types == [GGUFValueType.FLOAT32]:  # shortest spelling: 1e-05, not 9.99999974e-06
+        value = meta_field.contents()
+        if meta_field.types == [GGUFValueType.FLOAT32]:  # shortest spelling: 1e-05, not 9.99999974e-06
             value = float(str(np.float32(value)))
         out[key] = value
     return out
@@ -126,6 +127,8 @@ def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 # general.architecture -> our arch name
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# llama.cpp's Qwen3.5 / Qwen3.5-MoE hybrids (models/gguf_qwen35.py)
+HYBRID_GGUF_ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 # rope.scaling.* key -> HF rope_scaling key (yarn_ext_factor/yarn_log_multiplier have no HF twin)
 _ROPE_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
               "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast",
@@ -133,7 +136,7 @@ _ROPE_KEYS = {"factor": "factor", "original_context_length": "original_max_posit
 
 
 @dataclass(frozen=True, slots=True)
-class _Keys:
+class GgufKeys:
     """Typed access to `{arch}.*` metadata keys with errors that name the file and key."""
 
     meta: dict[str, Any]
@@ -155,7 +158,7 @@ class _Keys:
         return int(value)
 
 
-def _rope_scaling(keys: _Keys) -> dict[str, Any] | None:
+def rope_scaling_of(keys: GgufKeys) -> dict[str, Any] | None:
     rtype = keys.get("rope.scaling.type", "none")
     if rtype in ("none", "", None):
         return None
@@ -169,13 +172,13 @@ def _rope_scaling(keys: _Keys) -> dict[str, Any] | None:
     return scaling
 
 
-def _special_ids(meta: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+def special_ids(meta: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return bos, tuple(dict.fromkeys(int(t) for t in eos if t is not None))
 
 
-def _vocab_size(meta: dict[str, Any], keys: _Keys, shapes: dict[str, tuple[int, ...]]) -> int:
+def vocab_size_of(meta: dict[str, Any], keys: GgufKeys, shapes: dict[str, tuple[int, ...]]) -> int:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens:
         return len(tokens)
@@ -184,7 +187,7 @@ def _vocab_size(meta: dict[str, Any], keys: _Keys, shapes: dict[str, tuple[int, 
     return shapes.get("token_embd.weight", (0,))[0]
 
 
-def _moe_fields(keys: _Keys, arch: str, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, Any]:
+def _moe_fields(keys: GgufKeys, arch: str, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, Any]:
     if arch != "qwen3_moe":
         return {}
     # llama.cpp's qwen3moe graph always renormalises the top-k weights (build_moe_ffn norm_w=true)
@@ -206,23 +209,23 @@ def config_from_gguf(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], *
     arch = GGUF_ARCHS.get(gguf_arch)  # type: ignore[arg-type]
     if arch is None:
         raise ModelFormatError(f"{source}: unknown architecture general.architecture={gguf_arch!r}; "
-                               f"supported: {sorted(GGUF_ARCHS)}")
-    keys = _Keys(meta, str(gguf_arch), source)
+                               f"supported: {sorted(GGUF_ARCHS) + sorted(HYBRID_GGUF_ARCHS)}")
+    keys = GgufKeys(meta, str(gguf_arch), source)
     hidden, heads = keys.integer("embedding_length"), keys.integer("attention.head_count")
     if hidden <= 0 or heads <= 0:
         raise ModelFormatError(f"{source}: bad embedding_length={hidden} / head_count={heads}")
     head_dim = keys.integer("attention.key_length", hidden // heads)
     rotary = keys.integer("rope.dimension_count", head_dim)
     num_layers = keys.integer("block_count")
-    bos, eos = _special_ids(meta)
+    bos, eos = special_ids(meta)
     return ModelConfig(
         arch=arch, hidden_size=hidden, num_layers=num_layers, num_heads=heads,
         num_kv_heads=keys.integer("attention.head_count_kv", heads), head_dim=head_dim,
         intermediate_size=keys.integer("feed_forward_length", 0),
-        vocab_size=_vocab_size(meta, keys, shapes),
+        vocab_size=vocab_size_of(meta, keys, shapes),
         rms_norm_eps=float(keys.get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(keys.get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(keys),
+        rope_scaling=rope_scaling_of(keys),
         rotary_dim=0 if rotary == head_dim else rotary,
         max_position_embeddings=keys.integer("context_length", 4096),
         tie_word_embeddings="output.weight" not in shapes,
@@ -254,21 +257,28 @@ def _unpermute_linear(w: Linear, num_heads: int) -> Linear:
 
 
 @dataclass(slots=True)
-class _TensorTable:
+class TensorTable:
     """The file's tensors by name, converted on demand with shape checks against the config."""
 
     tensors: dict[str, ReaderTensor]
     source: str
     progress: LoadProgress | None = None
+    used: set[str] = field(default_factory=set)  # names read so far (unexpected-tensor checks)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def _get(self, name: str, shape: tuple[int, ...]) -> ReaderTensor:
+    def shape(self, name: str) -> tuple[int, ...]:
+        """NumPy shape (reversed GGUF dims) of a tensor; a missing one is a ModelFormatError."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelFormatError(f"{self.source}: missing tensor {name!r}")
-        got = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> ReaderTensor:
+        got = self.shape(name)
+        t = self.tensors[name]
+        self.used.add(name)
         if got != shape:
             raise ModelFormatError(f"{self.source}: tensor {name!r} has shape {list(got)}, "
                                    f"expected {list(shape)} from the GGUF metadata")
@@ -281,14 +291,18 @@ class _TensorTable:
         return to_linear(t.data, t.tensor_type, name=name, source=self.source)
 
     def vector(self, name: str, size: int) -> np.ndarray:
-        t = self._get(name, (size,))
-        return float_array(t.data, t.tensor_type, name=name, source=self.source)
+        return self.floats(name, (size,))
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float (F32/F16/BF16) tensor of this NumPy shape as float32."""
+        t = self._get(name, shape)
+        return float_array(t.data, t.tensor_type, name=name, source=self.source).reshape(shape)
 
     def optional_vector(self, name: str, size: int) -> np.ndarray | None:
         return self.vector(name, size) if name in self.tensors else None
 
 
-def _attention(table: _TensorTable, cfg: ModelConfig, p: str, permuted: bool) -> dict[str, Any]:
+def _attention(table: TensorTable, cfg: ModelConfig, p: str, permuted: bool) -> dict[str, Any]:
     H, hd = cfg.hidden_size, cfg.head_dim
     out: dict[str, Any] = {
         "q": table.linear(p + "attn_q.weight", (cfg.q_size, H)),
@@ -311,7 +325,7 @@ def _attention(table: _TensorTable, cfg: ModelConfig, p: str, permuted: bool) ->
     return out
 
 
-def _mlp(table: _TensorTable, cfg: ModelConfig, layer: int, p: str) -> dict[str, Any]:
+def _mlp(table: TensorTable, cfg: ModelConfig, layer: int, p: str) -> dict[str, Any]:
     H = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
         I = cfg.intermediate_size  # noqa: E741 (the spec's name)
@@ -325,7 +339,7 @@ def _mlp(table: _TensorTable, cfg: ModelConfig, layer: int, p: str) -> dict[str,
             "experts_down": table.linear(p + "ffn_down_exps.weight", (E, H, Im))}
 
 
-def _layer(table: _TensorTable, cfg: ModelConfig, layer: int, permuted: bool) -> LayerWeights:
+def _layer(table: TensorTable, cfg: ModelConfig, layer: int, permuted: bool) -> LayerWeights:
     p = f"blk.{layer}."
     return LayerWeights(
         input_norm=table.vector(p + "attn_norm.weight", cfg.hidden_size),
@@ -335,7 +349,7 @@ def _layer(table: _TensorTable, cfg: ModelConfig, layer: int, permuted: bool) ->
     )
 
 
-def _model(table: _TensorTable, cfg: ModelConfig, permuted: bool) -> ModelWeights:
+def _model(table: TensorTable, cfg: ModelConfig, permuted: bool) -> ModelWeights:
     V, H = cfg.vocab_size, cfg.hidden_size
     embed = table.linear("token_embd.weight", (V, H))
     lm_head = embed if cfg.tie_word_embeddings else table.linear("output.weight", (V, H))
@@ -349,41 +363,59 @@ def _model(table: _TensorTable, cfg: ModelConfig, permuted: bool) -> ModelWeight
     )
 
 
-def load_gguf_weights(path: str | os.PathLike, progress: LoadProgress | None = None,
-                      ) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
-    """Config, weights and info of a GGUF file (everything but the tokenizer).
-
-    info: {"format": "gguf", "gguf_architecture", "file_type", "tensor_types": {type: count},
-    "metadata": the full metadata dict (as `gguf_metadata`)}."""
+def open_gguf_with_metadata(path: str | os.PathLike) -> tuple[GGUFReader, dict[str, Any]]:
+    """The open reader and its metadata dict; bad files are ModelFormatErrors."""
     reader = open_gguf(path)
-    source = str(path)
     try:
-        meta = reader_metadata(reader)
+        return reader, reader_metadata(reader)
     except UnicodeDecodeError as exc:
-        raise ModelFormatError(f"{source}: GGUF metadata string is not UTF-8 ({exc})") from exc
-    tensors = {t.name: t for t in reader.tensors}
-    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
-    config = config_from_gguf(meta, shapes, source=source)
-    permuted = meta.get("general.architecture") == "llama"
-    weights = _model(_TensorTable(tensors, source, progress), config, permuted)
-    info = {
+        raise ModelFormatError(f"{path}: GGUF metadata string is not UTF-8 ({exc})") from exc
+
+
+def gguf_info(reader: GGUFReader, meta: dict[str, Any]) -> dict[str, Any]:
+    return {
         "format": "gguf",
         "gguf_architecture": meta.get("general.architecture"),
         "file_type": meta.get("general.file_type"),
         "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
         "metadata": meta,
     }
-    return config, weights, info
+
+
+def load_gguf_weights(path: str | os.PathLike, progress: LoadProgress | None = None,
+                      ) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
+    """Config, weights and info of a dense GGUF file (everything but the tokenizer).
+
+    info: {"format": "gguf", "gguf_architecture", "file_type", "tensor_types": {type: count},
+    "metadata": the full metadata dict (as `gguf_metadata`)}."""
+    reader, meta = open_gguf_with_metadata(path)
+    return _dense_weights(reader, meta, str(path), progress)
+
+
+def _dense_weights(reader: GGUFReader, meta: dict[str, Any], source: str,
+                   progress: LoadProgress | None) -> tuple[ModelConfig, ModelWeights, dict[str, Any]]:
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    config = config_from_gguf(meta, shapes, source=source)
+    permuted = meta.get("general.architecture") == "llama"
+    weights = _model(TensorTable(tensors, source, progress), config, permuted)
+    return config, weights, gguf_info(reader, meta)
 
 
 def load_gguf(path: str | os.PathLike, progress: LoadProgress | None = None) -> Checkpoint:
-    """Load a GGUF v3 checkpoint (llama, qwen2, qwen3, qwen3moe) with its tokenizer.
+    """Load a GGUF v3 checkpoint (llama, qwen2, qwen3, qwen3moe; the qwen35 / qwen35moe
+    hybrids through models/gguf_qwen35.py) with its tokenizer.
 
     Raises ModelFormatError naming the file (and tensor) for a missing, truncated or
     malformed file, an unknown architecture or an unsupported tensor type."""
-    config, weights, info = load_gguf_weights(path, progress)
     from .tokenizer import Tokenizer  # lazy: heavier module, not needed for weights
 
-    tokenizer = Tokenizer.from_gguf_metadata(info["metadata"], source=str(path))
+    reader, metadata = open_gguf_with_metadata(path)
+    if metadata.get("general.architecture") in HYBRID_GGUF_ARCHS:
+        from .gguf_qwen35 import load_qwen35_gguf  # lazy: it imports this module
+
+        return load_qwen35_gguf(reader, metadata, str(path), progress)
+    config, weights, info = _dense_weights(reader, metadata, str(path), progress)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
     meta = {key: value for key, value in info.items() if key != "metadata"}
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), meta=meta)

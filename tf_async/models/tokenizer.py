@@ -28,6 +28,10 @@ LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
                r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's with combining marks (\p{M}) kept inside words (llama.cpp src/llama-vocab.cpp)
+QWEN35_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+                r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp's fallback list for pre == "default" (src/llama-vocab.cpp).
 DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
 
@@ -38,6 +42,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "llama-bpe": (LLAMA3_REGEX,),
     "llama3": (LLAMA3_REGEX,),
     "qwen2": (QWEN2_REGEX,),
+    "qwen35": (QWEN35_REGEX,),
     "smollm": (r"\p{N}", GPT2_REGEX),
 }
 _IGNORE_MERGES_PRE = frozenset({"llama-bpe", "llama3"})  # llama.cpp: llama3 vocab ignores merges
