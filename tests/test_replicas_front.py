@@ -40,6 +40,12 @@ class FakeReplica:
             return web.Response(status=500, body=OOM, content_type="application/json")
         if self.mode == "ok":
             return web.json_response({"ok": True})
+        if self.mode == "drop-once" and self.num_requests == 1:  # a stale kept-alive link
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        if self.mode == "drop-once":
+            return web.json_response({"ok": True})
         if self.mode == "drop":  # dies after reading the request, before any answer
             assert request.transport is not None
             request.transport.abort()
@@ -141,6 +147,17 @@ async def test_replica_lost_before_answering_is_a_502_openai_error() -> None:
             error = (await resp.json())["error"]
         assert error["code"] == "replica_failed" and error["type"] == "server_error"
         assert replicas.num_lost_streams == [1]
+
+
+async def test_a_connection_closed_before_any_answer_is_sent_once_more() -> None:
+    """A replica restarted on the same port leaves the front a kept-alive connection that is
+    closed before any answer: the request goes once more on a new connection (nothing had
+    reached the client), not a 502."""
+    fake = FakeReplica("drop-once")
+    async with front_over(fake) as (url, replicas), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json={"prompt": "a"}) as resp:
+            assert resp.status == 200 and await resp.json() == {"ok": True}
+        assert replicas.num_lost_streams == [0] and fake.num_requests == 2
 
 
 async def test_a_replica_that_cannot_start_stops_the_front_with_exit_2(tmp_path: Path) -> None:

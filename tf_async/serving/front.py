@@ -79,7 +79,8 @@ class Front:
         """Any request but the front's own routes: to the chosen replica and back."""
         body = await request.read()
         keys = request_keys(request.path, _json_object(body)) if body else RequestKeys()
-        for _ in range(len(self.replicas.replicas)):  # only failed connects are retried
+        resent = False
+        for _ in range(len(self.replicas.replicas) + 1):  # failed connects are retried
             index = self.policy.choose(keys.lookup)
             if index is None:
                 break
@@ -87,6 +88,14 @@ class Front:
                 return await self._forward(request, body, index, keys)
             except (aiohttp.ClientConnectorError, _ReplicaGone):
                 self.replicas.connect_failed(index)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # Closed before any answer: a kept-alive connection to a replica that has
+                # since restarted on the same port looks just like this. Sent once more, on a
+                # new connection (nothing reached the client yet); a second loss is final.
+                if resent:
+                    self.replicas.num_lost_streams[index] += 1
+                    return lost_response(index)
+                resent = True
             except aiohttp.ClientError:  # connected, then lost before any answer
                 self.replicas.num_lost_streams[index] += 1
                 return lost_response(index)
