@@ -29,11 +29,11 @@ from tf_async.models.default import default_model_path
 from tf_async.models.ggml_quants import convert_tensor, to_linear
 from tf_async.models.gguf_io import (
     gguf_metadata,
-    load_gguf,
     load_gguf_weights,
     open_gguf,
     unpermute_rows,
 )
+from tf_async.models.gguf_load import load_gguf
 from tf_async.models.loader import load_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]

@@ -38,7 +38,7 @@ def test_quiet_when_not_a_terminal_or_small() -> None:
 def test_loaders_report_every_tensor_read(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:
     from tests.tiny import random_hf_weights, tiny_config
     from tests.tiny_gguf import write_gguf
-    from tf_async.models.gguf_io import load_gguf
+    from tf_async.models.gguf_load import load_gguf
     from tf_async.models.hf import load_hf_folder
 
     progress = LoadProgress.for_path(tiny_llama_dir, FakeTty())

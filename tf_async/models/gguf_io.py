@@ -3,7 +3,7 @@
 Tensors are memory-mapped; F32 tensors are used in place, quantized ones are repacked into
 AffineWeight (models/ggml_quants.py). llama-arch files have their Q/K rows permuted by
 llama.cpp's converter; we undo that here so the decoder sees HF row order for every format.
-The qwen35 / qwen35moe hybrids are read by models/gguf_qwen35.py (load_gguf dispatches).
+The qwen35 / qwen35moe hybrids are read by models/gguf_qwen35.py (models/gguf_load.py dispatches).
 """
 
 from __future__ import annotations
@@ -402,20 +402,13 @@ def _dense_weights(reader: GGUFReader, meta: dict[str, Any], source: str,
     return config, weights, gguf_info(reader, meta)
 
 
-def load_gguf(path: str | os.PathLike, progress: LoadProgress | None = None) -> Checkpoint:
-    """Load a GGUF v3 checkpoint (llama, qwen2, qwen3, qwen3moe; the qwen35 / qwen35moe
-    hybrids through models/gguf_qwen35.py) with its tokenizer.
-
-    Raises ModelFormatError naming the file (and tensor) for a missing, truncated or
-    malformed file, an unknown architecture or an unsupported tensor type."""
+def load_dense_gguf(reader: GGUFReader, metadata: dict[str, Any], source: str,
+                    progress: LoadProgress | None = None) -> Checkpoint:
+    """The checkpoint of an opened GGUF of a plain transformer (llama, qwen2, qwen3, qwen3moe)
+    with its tokenizer (models/gguf_load.py picks the loader by architecture)."""
     from .tokenizer import Tokenizer  # lazy: heavier module, not needed for weights
 
-    reader, metadata = open_gguf_with_metadata(path)
-    if metadata.get("general.architecture") in HYBRID_GGUF_ARCHS:
-        from .gguf_qwen35 import load_qwen35_gguf  # lazy: it imports this module
-
-        return load_qwen35_gguf(reader, metadata, str(path), progress)
-    config, weights, info = _dense_weights(reader, metadata, str(path), progress)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(path))
+    config, weights, info = _dense_weights(reader, metadata, source, progress)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata, source=source)
     meta = {key: value for key, value in info.items() if key != "metadata"}
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=str(path), meta=meta)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, path=source, meta=meta)

@@ -41,7 +41,7 @@ def _load(model_path: Path, progress: LoadProgress) -> Checkpoint:
             return load_qwen35_folder(model_path, progress)
         return load_hf_folder(model_path, progress)
     if model_path.suffix.lower() == ".gguf":
-        from .gguf_io import load_gguf  # lazy: only GGUF models need the GGUF reader
+        from .gguf_load import load_gguf  # lazy: only GGUF models need the GGUF reader
 
         return load_gguf(str(model_path), progress)
     raise ModelFormatError(
