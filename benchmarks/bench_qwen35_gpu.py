@@ -415,14 +415,14 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a check of this script on the tiny shapes (--models tiny)")
-    parser.add_argument("--capture-verify", action="store_true",
-                        help="replay verify and MTP rounds from CUDA graphs too (graph_decoder's"
-                        " CAPTURE_VERIFY_ROUNDS)")
+    parser.add_argument("--eager-verify", action="store_true",
+                        help="verify and MTP rounds eagerly (graph_decoder's CAPTURE_VERIFY_ROUNDS "
+                        "off), as before session 13")
     args = parser.parse_args()
-    if args.capture_verify:
+    if args.eager_verify:
         from tf_async.models import graph_decoder
 
-        graph_decoder.CAPTURE_VERIFY_ROUNDS = True
+        graph_decoder.CAPTURE_VERIFY_ROUNDS = False
     memory_report(args.parallel, [int(c) for c in args.contexts.split(",")])
     if args.memory_only:
         return
