@@ -11,12 +11,16 @@ are timed as they run. The "other" line of execute is what the runner does aroun
     python benchmarks/op_profile.py --model default --device cuda --streams 1 8 32
     python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 8
         (27b | 35b-a3b: random MLX 4-bit weights at the real shapes, bench_qwen35_gpu.py's)
+    python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 --kernels
+        (--kernels: no op timers; the window's GPU kernels (graph replays included) from
+        torch.profiler's CUPTI trace, summed by kernel name, per round)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import threading
 import time
 from collections import Counter, defaultdict
@@ -136,8 +140,45 @@ def table(timer: OpTimer, rounds: int, wall_s: float, label: str) -> list[str]:
     return lines
 
 
+def kernel_table(prof: Any, rounds: int, wall_s: float, label: str) -> list[str]:
+    """Per round: GPU ms and launches of each kernel name (Numba's mangled names cut to the
+    function's), busiest first, and their sum against the wall time."""
+    per = max(rounds, 1)
+    totals: defaultdict[str, float] = defaultdict(float)
+    counts: Counter[str] = Counter()
+    for event in prof.events():
+        if str(event.device_type).endswith("CUDA") and event.device_time_total > 0:
+            name = short_kernel_name(event.name)
+            totals[name] += event.device_time_total / 1e3
+            counts[name] += 1
+    busy = sum(totals.values())
+    lines = [f"{label}: {rounds} rounds, {1e3 * wall_s / per:.2f} ms a round (wall), "
+             f"{busy / per:.2f} ms of kernels a round",
+             f"{'kernel':<48} {'ms/round':>9} {'calls/round':>11} {'share':>6}"]
+    for name in sorted(totals, key=lambda k: -totals[k])[:40]:
+        lines.append(f"{name[:48]:<48} {totals[name] / per:>9.3f} {counts[name] / per:>11.1f} "
+                     f"{totals[name] / busy:>6.1%}")
+    return lines
+
+
+def short_kernel_name(name: str) -> str:
+    """`_ZN...5numba...12_q4_rows_kernel...` -> `_q4_rows_kernel`: the longest identifier part
+    of a mangled Numba name that is not a module path; other names as they are."""
+    if not name.startswith("_Z"):
+        return name.split("(")[0][:60]
+    parts, at = [], name.find("N") + 1  # _ZN<len><id><len><id>...E: read them in order
+    while at and (match := re.match(r"(\d+)", name[at:])):
+        size = int(match.group(1))
+        at += match.end()
+        parts.append(name[at:at + size])
+        at += size
+    useful = [p for p in parts if p not in ("cuda_kernels", "numba", "cudapy", "tf_async")
+              and not p.startswith(("Array", "int", "float", "Tuple", "CPointer", "uint"))]
+    return useful[-1] if useful else name[:60]
+
+
 async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_tokens: int,
-                  ctx: int, drafter: str | None = None) -> list[str]:
+                  ctx: int, drafter: str | None = None, kernels: bool = False) -> list[str]:
     from tf_async import Engine
 
     rng = np.random.default_rng(streams)
@@ -149,12 +190,13 @@ async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_
         assert parts is not None
         sync = parts.ops.synchronize if device != "cpu" else None
         timer = OpTimer(sync)
-        timer.install_ops(parts.ops)
-        for owner_path, method in PHASES + (DRAFT_PHASES if drafter else ()):
-            owner: Any = parts
-            for name in owner_path.split("."):
-                owner = getattr(owner, name)
-            timer.install_phase(owner, method)
+        if not kernels:
+            timer.install_ops(parts.ops)
+            for owner_path, method in PHASES + (DRAFT_PHASES if drafter else ()):
+                owner: Any = parts
+                for name in owner_path.split("."):
+                    owner = getattr(owner, name)
+                timer.install_phase(owner, method)
         await eng.complete(prompts[0], max_tokens=4, ignore_eos=True)  # compile, capture
         first: list[float] = []
 
@@ -165,13 +207,32 @@ async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_
 
         # the prompts first (untimed), then a window of decode rounds
         await asyncio.gather(*(eng.complete(p, max_tokens=1) for p in prompts))
+        if kernels:  # a run as long as the timed one first: every graph captured before
+            await asyncio.gather(*(eng.complete(p, max_tokens=max_tokens, ignore_eos=True)
+                                   for p in prompts))
         rounds0 = int(eng.stats()["rounds"])
-        with timer.window():
+        with timer.window(), kernel_trace(kernels) as prof:
             start = time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(streams)))
             wall = time.perf_counter() - start
         rounds = int(eng.stats()["rounds"]) - rounds0
-    return table(timer, rounds, wall, f"{streams} stream(s), {max_tokens} tokens each")
+    label = f"{streams} stream(s), {max_tokens} tokens each"
+    if kernels:
+        return kernel_table(prof, rounds, wall, label)
+    return table(timer, rounds, wall, label)
+
+
+@contextmanager
+def kernel_trace(on: bool) -> Iterator[Any]:
+    """torch.profiler over the window (CUDA activities only) when `on`; else nothing."""
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield prof
 
 
 def ckpt_vocab(ckpt: Any) -> int:
@@ -201,6 +262,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--drafter", default=None, help="e.g. mtp or ngram: rounds that draft")
+    p.add_argument("--kernels", action="store_true",
+                   help="GPU kernels by name from torch.profiler (CUPTI), no op timers")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: CPU seconds of the process (time.process_time), for a loaded CPU "
                         "machine (run with NUMBA_NUM_THREADS=1)")
@@ -210,7 +273,7 @@ def main() -> None:
     ckpt = load(args.model, args.device)
     for streams in args.streams:
         lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,
-                                    args.prompt_tokens, args.ctx, args.drafter))
+                                    args.prompt_tokens, args.ctx, args.drafter, args.kernels))
         print(f"\n{args.model} on {args.device}")
         print("\n".join(lines), flush=True)
 
