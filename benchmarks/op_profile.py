@@ -13,7 +13,8 @@ are timed as they run. The "other" line of execute is what the runner does aroun
         (27b | 35b-a3b: random MLX 4-bit weights at the real shapes, bench_qwen35_gpu.py's)
     python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 --kernels
         (--kernels: no op timers; the window's GPU kernels (graph replays included) from
-        torch.profiler's CUPTI trace, summed by kernel name, per round)
+        torch.profiler's CUPTI trace, summed by kernel name, per round; add --no-pdl for each
+        kernel's own time: with programmatic edges a kernel starts early and waits)
 """
 
 from __future__ import annotations
@@ -264,12 +265,19 @@ def main() -> None:
     p.add_argument("--drafter", default=None, help="e.g. mtp or ngram: rounds that draft")
     p.add_argument("--kernels", action="store_true",
                    help="GPU kernels by name from torch.profiler (CUPTI), no op timers")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="capture plain CUDA graphs (no programmatic edges): with them a kernel's "
+                        "traced time includes its wait for the one before it")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: CPU seconds of the process (time.process_time), for a loaded CPU "
                         "machine (run with NUMBA_NUM_THREADS=1)")
     args = p.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.no_pdl:
+        import cuda_kernels.graphs
+
+        cuda_kernels.graphs.supported = lambda: False  # type: ignore[assignment]
     ckpt = load(args.model, args.device)
     for streams in args.streams:
         lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,

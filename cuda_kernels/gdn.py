@@ -5,13 +5,14 @@ in tests, host NumPy arrays. Imports numba/numpy/math only.
 Layout of the work:
 - conv: one thread per channel; it walks the rows in order and carries its channel of the
   conv state, so rows of one stream see exactly the history a one-row call would.
-- delta rule: one thread block per (stream, v-head); threads over value columns; rows of the
-  stream are processed sequentially inside the block with the same per-column operation
-  order as the CPU twin. For batches, the rows of one stream must be contiguous in the
-  round (the engine lays rows out stream by stream): the block of row r is active only
-  when r starts its stream's run of rows (row 0, or row_seq[r-1] != row_seq[r]).
-- the fp32 state stays in global memory (coalesced over columns, L1/L2 resident for a
-  block); q and k of the current row go through shared memory.
+- delta rule: one thread block per (stream, v-head, 32 value columns), the block's part of
+  the fp32 state in registers (a warp per 32 rows of dk); rows of the stream are processed
+  sequentially inside the block; a column's dot products over dk are summed per warp, then
+  across warps in a fixed order (not the CPU twin's order: the twins agree within a bound,
+  and every GPU path has the same bits). For batches, the rows of one stream must be
+  contiguous in the round (the engine lays rows out stream by stream): the block of row r
+  is active only when r starts its stream's run of rows (row 0, or row_seq[r-1] != row_seq[r]).
+  q and k of the current row go through shared memory.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from cuda_kernels.env import kernel
+from cuda_kernels.env import kernel, warp_sum
 
 MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
-MAX_THREADS = 128
 MAX_CONV_HISTORY = 8  # K - 1 of a frozen lane's conv history held by a thread
-MAX_FROZEN_COLUMNS = 2  # value columns a thread holds for a frozen lane (dv <= 256)
 _ELEMENTWISE_THREADS = 128
 
 
@@ -161,32 +160,37 @@ def gdn_gates(a, b, a_log, dt_bias, g_out, beta_out, stream=0) -> None:
     _gates_kernel[_blocks(count, threads), threads, stream](a, b, a_log, dt_bias, g_out, beta_out)
 
 
+# The per-head norms run a warp a (row, head): lane l takes elements l, l + 32, ... of the
+# head, sums its squares in that order, and warp_sum adds the lanes' sums (a fixed order).
+
+
 @cuda.jit(device=True, inline=True)
-def _l2_scale_head(src, r, col0, dim, eps, scale, dst, head):
-    sum_sq = float32(0.0)
-    for i in range(dim):
+def _l2_scale_head(src, r, col0, dim, eps, scale, dst, head, lane):
+    part = float32(0.0)
+    for i in range(lane, dim, 32):
         x = src[r, col0 + i]
-        sum_sq += x * x
-    inv = float32(1.0) / math.sqrt(sum_sq + eps)
-    for i in range(dim):
+        part += x * x
+    inv = float32(1.0) / math.sqrt(warp_sum(part) + eps)
+    for i in range(lane, dim, 32):
         dst[r, head, i] = src[r, col0 + i] * inv * scale
 
 
 @kernel
 def _qk_l2norm_kernel(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out):
-    idx = cuda.grid(1)
+    idx, lane = cuda.grid(1) // 32, cuda.threadIdx.x % 32
     if idx >= mixed.shape[0] * num_k_heads:
-        return
+        lane = head_k_dim  # a warp past the last head: it only joins the shuffles
+        idx = 0
     r = idx // num_k_heads
     hk = idx % num_k_heads
-    _l2_scale_head(mixed, r, hk * head_k_dim, head_k_dim, eps, q_scale, q_out, hk)
+    _l2_scale_head(mixed, r, hk * head_k_dim, head_k_dim, eps, q_scale, q_out, hk, lane)
     _l2_scale_head(mixed, r, (num_k_heads + hk) * head_k_dim, head_k_dim, eps, float32(1.0),
-                   k_out, hk)
+                   k_out, hk, lane)
 
 
 def gdn_qk_l2norm(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out, stream=0) -> None:
     """q_out, k_out: [rows, Hk, dk] L2-normalised q (times q_scale) and k of mixed [rows, C]."""
-    count = mixed.shape[0] * num_k_heads
+    count = mixed.shape[0] * num_k_heads * 32
     threads = _ELEMENTWISE_THREADS
     _qk_l2norm_kernel[_blocks(count, threads), threads, stream](
         mixed, num_k_heads, head_k_dim, np.float32(eps), np.float32(q_scale), q_out, k_out)
@@ -196,62 +200,79 @@ def gdn_qk_l2norm(mixed, num_k_heads, head_k_dim, eps, q_scale, q_out, k_out, st
 # gated delta rule
 
 
-@cuda.jit(device=True, inline=True)
-def _delta_column(s, j, q_sh, k_sh, head_k_dim, v_j, alpha, beta):
-    """Column j of one token's update; the same operation order as the CPU `_delta_token`."""
-    acc = float32(0.0)
-    for i in range(head_k_dim):
-        decayed = s[i, j] * alpha
-        s[i, j] = decayed
-        acc += decayed * k_sh[i]
-    beta_err = beta * (v_j - acc)
-    o_j = float32(0.0)
-    for i in range(head_k_dim):
-        written = s[i, j] + k_sh[i] * beta_err
-        s[i, j] = written
-        o_j += written * q_sh[i]
-    return o_j
+# A block owns 32 value columns (one a lane) of one v-head of one stream and keeps that
+# part of the state in registers for all the stream's rows of the round: warp w holds rows
+# i = 32w .. 32w + 31 of the columns (DELTA_ROWS_A_WARP values a thread), so the state is read
+# from memory once and written once a round, with every load of a warp coalesced. Per row, a
+# column's dot products over i (k . decayed state, q . updated state) are summed in a fixed
+# order whatever the rows or streams of the round: each warp over its 32 i ascending, then
+# the warps' partial sums in warp order. Grid (rows, Hv, ceil(dv / 32)): the block of row r
+# works only when r starts its stream's run of rows.
+DELTA_ROWS_A_WARP = 32
+MAX_DELTA_WARPS = MAX_HEAD_K_DIM // DELTA_ROWS_A_WARP
 
 
 @cuda.jit(device=True, inline=True)
-def _delta_row(q, k, v, g, beta, s, held, out, r, h, hk, q_sh, k_sh):
-    """Row r of head h. s: the head's state [dk, dv] (column j), or with `held` the thread's
-    copies of its columns [dk, MAX_FROZEN_COLUMNS] (column m for j = tid + m * threads)."""
-    tid = cuda.threadIdx.x
-    num_threads = cuda.blockDim.x
-    head_k_dim = q.shape[2]
-    cuda.syncthreads()  # the previous row is done reading q_sh / k_sh
-    for i in range(tid, head_k_dim, num_threads):
-        q_sh[i] = q[r, hk, i]
-        k_sh[i] = k[r, hk, i]
-    cuda.syncthreads()
-    alpha = math.exp(g[r, h])
-    beta_rh = beta[r, h]
-    m = 0
-    for j in range(tid, v.shape[2], num_threads):
-        out[r, h, j] = _delta_column(s, m if held else j, q_sh, k_sh, head_k_dim, v[r, h, j],
-                                     alpha, beta_rh)
-        m += 1
+def _delta_rows(q, k, v, g, beta, head_state, keep, r0, r1, h, hk, out):
+    """Rows r0 .. r1 - 1 of head h of one stream; head_state: [dk, dv] (written back unless
+    `keep` is False: a frozen lane, whose state is read and never written)."""
+    q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
+    red_a = cuda.shared.array((MAX_DELTA_WARPS, 32), float32)
+    red_o = cuda.shared.array((MAX_DELTA_WARPS, 32), float32)
+    s = cuda.local.array(DELTA_ROWS_A_WARP, float32)
+    tid, lane, warp = cuda.threadIdx.x, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    warps = cuda.blockDim.x // 32
+    head_k_dim, head_v_dim = q.shape[2], v.shape[2]
+    col = cuda.blockIdx.z * 32 + lane
+    live = col < head_v_dim
+    base = warp * DELTA_ROWS_A_WARP
+    for i in range(DELTA_ROWS_A_WARP):
+        s[i] = head_state[base + i, col] if live and base + i < head_k_dim else float32(0.0)
+    for r in range(r0, r1):
+        cuda.syncthreads()  # the previous row is done with q_sh, k_sh and red_o
+        for i in range(tid, head_k_dim, cuda.blockDim.x):
+            q_sh[i] = q[r, hk, i]
+            k_sh[i] = k[r, hk, i]
+        cuda.syncthreads()
+        alpha = math.exp(g[r, h])
+        part = float32(0.0)
+        for i in range(DELTA_ROWS_A_WARP):
+            if base + i < head_k_dim:
+                decayed = s[i] * alpha
+                s[i] = decayed
+                part += decayed * k_sh[base + i]
+        red_a[warp, lane] = part
+        cuda.syncthreads()
+        acc = red_a[0, lane]
+        for w in range(1, warps):
+            acc += red_a[w, lane]
+        v_j = v[r, h, col] if live else float32(0.0)
+        beta_err = beta[r, h] * (v_j - acc)
+        part = float32(0.0)
+        for i in range(DELTA_ROWS_A_WARP):
+            if base + i < head_k_dim:
+                written = s[i] + k_sh[base + i] * beta_err
+                s[i] = written
+                part += written * q_sh[base + i]
+        red_o[warp, lane] = part
+        cuda.syncthreads()
+        if warp == 0 and live:
+            o_j = red_o[0, lane]
+            for w in range(1, warps):
+                o_j += red_o[w, lane]
+            out[r, h, col] = o_j
+    if keep and live:
+        for i in range(DELTA_ROWS_A_WARP):
+            if base + i < head_k_dim:
+                head_state[base + i, col] = s[i]
 
 
 @kernel
 def _delta_stream_kernel(q, k, v, g, beta, state, out):
     h = cuda.blockIdx.y
     hk = h // (state.shape[0] // q.shape[1])
-    q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
-    k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
-    for r in range(q.shape[0]):
-        _delta_row(q, k, v, g, beta, state[h], False, out, r, h, hk, q_sh, k_sh)
-
-
-@cuda.jit(device=True, inline=True)
-def _hold_columns(s, columns):
-    """A frozen lane: copy the thread's value columns of s [dk, dv] (j = tid + m * threads)."""
-    m = 0
-    for j in range(cuda.threadIdx.x, s.shape[1], cuda.blockDim.x):
-        for i in range(s.shape[0]):
-            columns[i, m] = s[i, j]
-        m += 1
+    _delta_rows(q, k, v, g, beta, state[h], True, 0, q.shape[0], h, hk, out)
 
 
 @kernel
@@ -262,57 +283,48 @@ def _delta_batch_kernel(q, k, v, g, beta, states, row_seq, frozen, out):
     if first_row > 0 and row_seq[first_row - 1] == slot:
         return  # not the first row of its stream: that stream's block does this row
     hk = h // (states.shape[1] // q.shape[1])
-    q_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
-    k_sh = cuda.shared.array(MAX_HEAD_K_DIM, float32)
-    columns = cuda.local.array((MAX_HEAD_K_DIM, MAX_FROZEN_COLUMNS), float32)
-    held = frozen[slot] != 0
-    if held:  # a frozen lane (draft verification): its state is read, never written
-        _hold_columns(states[slot, h], columns)
-    r = first_row
-    while r < q.shape[0] and row_seq[r] == slot:
-        if held:
-            _delta_row(q, k, v, g, beta, columns, True, out, r, h, hk, q_sh, k_sh)
-        else:
-            _delta_row(q, k, v, g, beta, states[slot, h], False, out, r, h, hk, q_sh, k_sh)
-        r += 1
+    end = first_row + 1
+    while end < q.shape[0] and row_seq[end] == slot:
+        end += 1
+    _delta_rows(q, k, v, g, beta, states[slot, h], frozen[slot] == 0, first_row, end, h, hk, out)
 
 
-def _check_head_dims(q, state_shape) -> int:
+def _delta_launch(q, state_shape) -> tuple[int, int]:
+    """(column blocks, threads) of a delta-rule launch: 32 value columns a block, a warp per 32
+    rows of dk."""
     num_v_heads, head_k_dim, head_v_dim = state_shape[-3:]
     if head_k_dim > MAX_HEAD_K_DIM or q.shape[2] != head_k_dim:
         raise ValueError(f"gated delta rule: head_k_dim {q.shape[2]} vs state {head_k_dim} "
                          f"(max {MAX_HEAD_K_DIM})")
     if num_v_heads % q.shape[1]:
         raise ValueError(f"gated delta rule: Hv={num_v_heads} not a multiple of Hk={q.shape[1]}")
-    return min(head_v_dim, MAX_THREADS)
+    return _blocks(head_v_dim, 32), 32 * _blocks(head_k_dim, DELTA_ROWS_A_WARP)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, out, stream=0) -> None:
     """Rows of one stream. q, k: [T, Hk, dk]; v, out: [T, Hv, dv]; g, beta: [T, Hv];
-    state: [Hv, dk, dv] float32. One block per v-head, rows in order inside the block."""
-    threads = _check_head_dims(q, state.shape)
+    state: [Hv, dk, dv] float32. Blocks per (v-head, 32 value columns), rows in order."""
+    column_blocks, threads = _delta_launch(q, state.shape)
     if q.shape[0] == 0:
         return
-    _delta_stream_kernel[(1, state.shape[0]), threads, stream](q, k, v, g, beta, state, out)
+    _delta_stream_kernel[(1, state.shape[0], column_blocks), threads, stream](
+        q, k, v, g, beta, state, out)
 
 
 def gated_delta_rule_column_parallel(q, k, v, g, beta, state, out, stream=0) -> None:
     """The multi-row ("chunked") prompt form; on the GPU it is the same kernel as
-    `gated_delta_rule`: threads already split the value columns (see the CPU docstring)."""
+    `gated_delta_rule`: blocks already split the value columns (see the CPU docstring)."""
     gated_delta_rule(q, k, v, g, beta, state, out, stream)
 
 
 def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, frozen, out, stream=0) -> None:
     """Rows of many streams; states: [slots, Hv, dk, dv]; row_seq: [rows] int32; frozen:
-    [slots] uint8 (a frozen slot's rows run from the threads' copies of its columns, and its
+    [slots] uint8 (a frozen slot's rows run from the registers' copy of its state, and its
     state stays as it was). The rows of one stream must be contiguous and in time order."""
-    threads = _check_head_dims(q, states.shape)
-    if states.shape[3] > MAX_FROZEN_COLUMNS * threads:
-        raise ValueError(f"gated delta rule: head_v_dim {states.shape[3]} > "
-                         f"{MAX_FROZEN_COLUMNS * threads}")
+    column_blocks, threads = _delta_launch(q, states.shape)
     if q.shape[0] == 0:
         return
-    _delta_batch_kernel[(q.shape[0], states.shape[1]), threads, stream](
+    _delta_batch_kernel[(q.shape[0], states.shape[1], column_blocks), threads, stream](
         q, k, v, g, beta, states, row_seq, frozen, out)
 
 
@@ -322,24 +334,25 @@ def gated_delta_rule_batch(q, k, v, g, beta, states, row_seq, frozen, out, strea
 
 @kernel
 def _gated_rms_norm_kernel(x, z, weight, eps, out):
-    idx = cuda.grid(1)
-    num_heads = x.shape[1]
+    idx, lane = cuda.grid(1) // 32, cuda.threadIdx.x % 32
+    num_heads, dim = x.shape[1], x.shape[2]
     if idx >= x.shape[0] * num_heads:
-        return
+        lane = dim  # a warp past the last head: it only joins the shuffles
+        idx = 0
     r = idx // num_heads
     h = idx % num_heads
-    dim = x.shape[2]
-    sum_sq = float32(0.0)
-    for j in range(dim):
-        sum_sq += x[r, h, j] * x[r, h, j]
-    inv = float32(1.0) / math.sqrt(sum_sq / float32(dim) + eps)
-    for j in range(dim):
+    part = float32(0.0)
+    for j in range(lane, dim, 32):
+        part += x[r, h, j] * x[r, h, j]
+    inv = float32(1.0) / math.sqrt(warp_sum(part) / float32(dim) + eps)
+    for j in range(lane, dim, 32):
         out[r, h, j] = weight[j] * (x[r, h, j] * inv) * _silu(z[r, h, j])
 
 
 def gated_rms_norm(x, z, weight, eps, out, stream=0) -> None:
-    """N3: out = weight * (x * rsqrt(mean(x^2) + eps)) * silu(z); [rows, Hv, dv]."""
-    count = x.shape[0] * x.shape[1]
+    """N3: out = weight * (x * rsqrt(mean(x^2) + eps)) * silu(z); [rows, Hv, dv]. A warp a
+    (row, head)."""
+    count = x.shape[0] * x.shape[1] * 32
     threads = _ELEMENTWISE_THREADS
     _gated_rms_norm_kernel[_blocks(count, threads), threads, stream](
         x, z, weight, np.float32(eps), out)

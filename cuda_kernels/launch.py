@@ -265,13 +265,15 @@ def silu_mul(gate, up, out, stream=None) -> None:
 
 
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights, stream=None) -> None:
-    threads = _moe.ROUTE_THREADS
-    grid = _grid_1d(logits.shape[0], threads)
+    threads = 32 * _moe.ROUTE_WARPS
+    grid = _grid_1d(logits.shape[0], _moe.ROUTE_WARPS)
     _go(_moe.moe_route, grid, threads, stream, logits, top_k, norm_topk_prob, out_ids, out_weights)
 
 
 def moe_combine(expert_out, weights, out, stream=None) -> None:
-    _go(_moe.moe_combine, (out.shape[0],), _moe.COMBINE_THREADS, stream, expert_out, weights, out)
+    threads = _moe.COMBINE_THREADS
+    grid = (out.shape[0], (out.shape[1] + threads - 1) // threads)
+    _go(_moe.moe_combine, grid, threads, stream, expert_out, weights, out)
 
 
 def argmax(logits, out, stream=None) -> None:

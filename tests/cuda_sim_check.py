@@ -681,10 +681,18 @@ def check_moe(rng: np.random.Generator) -> None:
         launch.moe_route(logits, 3, norm, ids, weights)
         want_ids, want_w = moe_route_ref(logits, 3, norm)
         assert np.array_equal(ids, want_ids) and rel_err(weights, want_w) < 1e-6
-    y = rng.standard_normal((15, 6)).astype(np.float32)
-    out = np.full((5, 6), np.nan, np.float32)
+    # a warp a row: more experts than lanes, ties across lanes, rows past one block's warps
+    wide = rng.standard_normal((7, 45)).astype(np.float32)
+    wide[2, [3, 35, 36]] = 4.0
+    wide[6, :] = 0.5  # all tied: ids ascending
+    wide_ids, wide_w = np.full((7, 4), -1, np.int32), np.full((7, 4), np.nan, np.float32)
+    launch.moe_route(wide, 4, True, wide_ids, wide_w)
+    want_ids, want_w = moe_route_ref(wide, 4, True)
+    assert np.array_equal(wide_ids, want_ids) and rel_err(wide_w, want_w) < 1e-6
+    y = rng.standard_normal((15, 150)).astype(np.float32)  # two column blocks
+    out = np.full((5, 150), np.nan, np.float32)
     launch.moe_combine(y, weights, out)
-    ref = np.einsum("rj,rjh->rh", weights.astype(np.float64), y.reshape(5, 3, 6).astype(np.float64))
+    ref = np.einsum("rj,rjh->rh", weights.astype(np.float64), y.reshape(5, 3, 150).astype(np.float64))
     assert rel_err(out, ref) < 1e-6
 
 

@@ -22,8 +22,8 @@ from tf_async.backend.cpu import gdn as cpu_gdn  # noqa: E402
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def check_delta() -> None:
-    inp = delta_inputs(np.random.default_rng(11), 5, 2, 4, 8, 8)
+def check_delta(rows: int = 5, hk: int = 2, hv: int = 4, dk: int = 8, dv: int = 8) -> None:
+    inp = delta_inputs(np.random.default_rng(11), rows, hk, hv, dk, dv)
     cuda_out, cuda_state = run_delta(cuda_gdn.gated_delta_rule, inp)
     cpu_out, cpu_state = run_delta(cpu_gdn.gated_delta_rule, inp)
     np.testing.assert_allclose(cuda_out, cpu_out, **TOL)
@@ -53,21 +53,15 @@ def check_delta_batch() -> None:
         solo_out, solo_state = run_delta(cuda_gdn.gated_delta_rule, inp)
         assert np.array_equal(out[offsets[i]:offsets[i + 1]], solo_out), "batch != solo"
         assert np.array_equal(states[slots[i]], solo_state), "batch state != solo state"
-    # Frozen slots 1 and 2 (draft verification): the same rows from the threads' copies, their
-    # states untouched; also with two value columns a thread (MAX_THREADS patched to 2).
+    # Frozen slots 1 and 2 (draft verification): the same rows from the registers' copies,
+    # their states untouched.
     frozen = np.array([0, 1, 1], np.uint8)
-    saved = cuda_gdn.MAX_THREADS
-    for threads in (saved, 2):
-        cuda_gdn.MAX_THREADS = threads
-        try:
-            held_states, held = before.copy(), np.full(cat["v"].shape, np.nan, np.float32)
-            cuda_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
-                                            held_states, row_seq, frozen, held)
-        finally:
-            cuda_gdn.MAX_THREADS = saved
-        assert np.array_equal(held, out), f"frozen rows differ ({threads} threads)"
-        assert np.array_equal(held_states[1:], before[1:]), "a frozen state changed"
-        assert np.array_equal(held_states[0], states[0]), "an unfrozen state did not advance"
+    held_states, held = before.copy(), np.full(cat["v"].shape, np.nan, np.float32)
+    cuda_gdn.gated_delta_rule_batch(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"],
+                                    held_states, row_seq, frozen, held)
+    assert np.array_equal(held, out), "frozen rows differ"
+    assert np.array_equal(held_states[1:], before[1:]), "a frozen state changed"
+    assert np.array_equal(held_states[0], states[0]), "an unfrozen state did not advance"
 
 
 def check_conv() -> None:
@@ -111,11 +105,12 @@ def check_small_kernels() -> None:
     a, b = (rng.standard_normal((3, 4)).astype(f32) * 4 for _ in range(2))
     _both("gdn_gates", a, b, rng.standard_normal(4).astype(f32), rng.standard_normal(4).astype(f32),
           outs=[np.empty_like(a), np.empty_like(b)])
-    mixed = rng.standard_normal((3, 2 * 2 * 8 + 4 * 8)).astype(f32)
-    _both("gdn_qk_l2norm", mixed, 2, 8, 1e-6, 8 ** -0.5,
-          outs=[np.empty((3, 2, 8), f32), np.empty((3, 2, 8), f32)])
-    x, z = (rng.standard_normal((3, 4, 8)).astype(f32) for _ in range(2))
-    _both("gated_rms_norm", x, z, rng.standard_normal(8).astype(f32), 1e-6, outs=[np.empty_like(x)])
+    # a warp a head: heads of 40 (more than a warp's lanes), warps past the last head
+    mixed = rng.standard_normal((3, 2 * 2 * 40 + 4 * 8)).astype(f32)
+    _both("gdn_qk_l2norm", mixed, 2, 40, 1e-6, 40 ** -0.5,
+          outs=[np.empty((3, 2, 40), f32), np.empty((3, 2, 40), f32)])
+    x, z = (rng.standard_normal((3, 3, 40)).astype(f32) for _ in range(2))
+    _both("gated_rms_norm", x, z, rng.standard_normal(40).astype(f32), 1e-6, outs=[np.empty_like(x)])
     qg = rng.standard_normal((3, 2 * 2 * 4)).astype(f32)
     _both("split_query_gate", qg, 2, 4, outs=[np.empty((3, 2, 4), f32), np.empty((3, 8), f32)])
     attn, gate = (rng.standard_normal((3, 8)).astype(f32) for _ in range(2))
@@ -124,6 +119,7 @@ def check_small_kernels() -> None:
 
 def main() -> None:
     check_delta()
+    check_delta(3, 1, 2, 72, 40)  # three warps (the last one partly past dk), two column blocks
     check_delta_batch()
     check_conv()
     check_small_kernels()
