@@ -48,23 +48,28 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
     for e in range(lane, num_experts, 32):
         m = max(m, logits[row, e])
     m = warp_max(m)
-    for e in range(lane, min(num_experts, ROUTE_SHARED), 32):
+    shared = min(num_experts, ROUTE_SHARED)
+    for e in range(lane, shared, 32):
         exps[warp, e] = np.float32(math.exp(logits[row, e] - m))
     cuda.syncthreads()  # every warp of the block is here (none returns early)
     if lane == 0:
         total = np.float32(0.0)
-        for e in range(num_experts):
-            total += exps[warp, e] if e < ROUTE_SHARED else np.float32(math.exp(logits[row, e] - m))
+        for e in range(shared):
+            total += exps[warp, e]
+        for e in range(shared, num_experts):
+            total += np.float32(math.exp(logits[row, e] - m))
         total_sh[warp] = total
-    cuda.syncthreads()  # every warp of the block is here (none returns early)
+    cuda.syncthreads()
     inv_sum = np.float32(1.0) / total_sh[warp]
+    for e in range(lane, shared, 32):  # the weights, as _weight has them
+        exps[warp, e] = exps[warp, e] * inv_sum
     prev_w = np.float32(np.inf)
     prev_e = -1
     for slot in range(top_k):
         best_w = np.float32(-1.0)
         best_e = num_experts
         for e in range(lane, num_experts, 32):
-            w = _weight(logits, row, e, m, inv_sum)
+            w = exps[warp, e] if e < ROUTE_SHARED else _weight(logits, row, e, m, inv_sum)
             if _better(prev_w, prev_e, w, e) and _better(w, e, best_w, best_e):
                 best_w = w
                 best_e = e

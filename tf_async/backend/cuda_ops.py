@@ -88,9 +88,12 @@ def _load_cuda() -> tuple[Any, Any, Any, Any]:
 
 
 # MoE rounds with at least this many routed slots (rows x top_k: prompt steps) run sorted by
-# expert on the tensor cores, one launch a weight; fewer (decode) run one slot a row on qdot.
-# Either way a slot gets the same bits (cuda_kernels/qmma.py).
-MOE_SORTED_MIN_SLOTS = 128
+# expert on the tensor cores, one launch a weight; fewer (decode, draft verification) run one
+# slot a row on qdot. Either way a slot gets the same bits (cuda_kernels/qmma.py). Sorted
+# rounds are not captured in CUDA graphs (graph_decoder._captured_rows), so the bar sits
+# above the verify rounds of 8 drafting streams (8 x 4 rows x top-k 8 = 256 slots: 467 ms a
+# round eagerly on the H200 at 35B-A3B shapes, session 14).
+MOE_SORTED_MIN_SLOTS = 512
 
 
 @dataclass(frozen=True, slots=True)
