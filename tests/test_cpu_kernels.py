@@ -10,7 +10,7 @@ import pytest
 
 from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
-from tf_async.backend.weights import AffineWeight, DenseWeight, quantize_affine
+from tf_async.backend.weights import AffineWeight, DenseWeight, LinearParts, quantize_affine
 
 OPS = CpuOps()
 
@@ -99,6 +99,25 @@ def test_matmuls_are_batch_invariant(bits: int, group_size: int) -> None:
     w = DenseWeight(dense) if bits == 0 else quantize_affine(dense, bits, group_size)
     x = randn(rng, 11, 384)
     assert_batch_invariant(lambda rows: OPS.linear(x[rows], w), 11)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32), (8, 128), (4, 48)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 80])
+def test_fused_parts_equal_the_parts_one_by_one(bits: int, group_size: int, rows: int) -> None:
+    """q|k|v and gate|up in one call (one parallel region over every part's features) give
+    each column the bits of its part's own matmul, in its place (group 48: part by part)."""
+    rng = rng_for(bits * 1000 + group_size + rows)
+    in_f = 192 if group_size == 48 else 256
+    parts = tuple(quantize_affine(randn(rng, n, in_f), bits, group_size) for n in (96, 32, 48))
+    x = randn(rng, rows, in_f)
+    fused = OPS.linear(x, LinearParts(parts))
+    alone = np.concatenate([OPS.linear(x, p) for p in parts], axis=-1)
+    assert fused.shape == (rows, 176)
+    assert np.array_equal(fused.view(np.uint32), alone.view(np.uint32))
+    gate, up = parts[0], quantize_affine(randn(rng, 96, in_f), bits, group_size)
+    swiglu = OPS.swiglu_linear(x, LinearParts((gate, up)))
+    expected = OPS.silu_mul(OPS.linear(x, gate), OPS.linear(x, up))
+    assert np.array_equal(swiglu.view(np.uint32), expected.view(np.uint32))
 
 
 def test_embed_dense_and_affine() -> None:

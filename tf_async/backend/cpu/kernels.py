@@ -118,7 +118,7 @@ class _Operands:
     """Pointers and sizes that the fused dot reads, unpacked from the Numba array structs."""
 
     def __init__(self, context, builder, sig, args):
-        codes, scales, biases, group_shift, xp, row0, out, first, last = args
+        codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset = args
         c = context.make_array(sig.args[0])(context, builder, codes)
         self.codes = builder.bitcast(c.data, _I8.as_pointer())
         self.code_bytes = builder.mul(cgutils.unpack_tuple(builder, c.shape)[1],
@@ -134,6 +134,7 @@ class _Operands:
         self.row0 = context.cast(builder, row0, sig.args[5], types.intp)
         self.first = context.cast(builder, first, sig.args[7], types.intp)
         self.last = context.cast(builder, last, sig.args[8], types.intp)
+        self.out_offset = context.cast(builder, out_offset, sig.args[9], types.intp)
 
     def feature(self, builder, o):
         """(codes, scales, biases) pointers of weight row o."""
@@ -147,7 +148,7 @@ class _Operands:
 
     def store_out(self, builder, k, o, value):
         row = builder.add(self.row0, ir.Constant(_I64, k))
-        index = builder.add(builder.mul(row, self.out_features), o)
+        index = builder.add(builder.mul(row, self.out_features), builder.add(o, self.out_offset))
         builder.store(value, builder.gep(self.out, [index]))
 
 
@@ -223,8 +224,9 @@ def _fused_dot_codegen(bits, num_rows):
     return codegen
 
 
-_DOT_DOC = """dot_u{bits}_rows{R}(codes, scales, biases, group_shift, xp, row0, out, first, last):
-out[row0 + k, o] = xp[row0 + k] . dequant(weight row o) for k < R and first <= o < last;
+_DOT_DOC = """dot_u{bits}_rows{R}(codes, scales, biases, group_shift, xp, row0, out, first, last,
+out_offset): out[row0 + k, out_offset + o] = xp[row0 + k] . dequant(weight row o) for k < R and
+first <= o < last;
 codes [out_f, in*bits/32] u32, scales/biases [out_f, groups] f32 with 2**group_shift 16-byte
 code blocks per group. 4-bit expects xp permuted per 32 elements (even, then odd elements). Each row
 accumulates block by block into its own 16-lane vector(s) and ends with a fixed halving sum,
@@ -233,8 +235,9 @@ so its result does not depend on R or on the other rows."""
 
 def _fused_dot(bits, num_rows):
     @intrinsic
-    def fused(typingctx, codes, scales, biases, group_shift, xp, row0, out, first, last):  # noqa: ARG001
-        sig = types.void(codes, scales, biases, group_shift, xp, row0, out, first, last)
+    def fused(typingctx, codes, scales, biases, group_shift, xp, row0, out, first, last,  # noqa: ARG001
+              out_offset):
+        sig = types.void(codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset)
         return sig, _fused_dot_codegen(bits, num_rows)
 
     fused.__doc__ = _DOT_DOC
@@ -511,31 +514,34 @@ def _features_per_block(in_features):
 
 
 @njit(**_JIT)
-def _fused_tile(codes, scales, biases, layout, group_shift, xp, row0, num_rows, first, last, out):
-    # out[row0:row0 + num_rows, first:last] (num_rows 4 or 1: the same per-row arithmetic)
+def _fused_tile(codes, scales, biases, layout, group_shift, xp, row0, num_rows, first, last, out,
+                out_offset):
+    # out[row0:row0 + num_rows, out_offset + first:out_offset + last] (num_rows 4 or 1: the
+    # same per-row arithmetic)
     if num_rows == 4:
         if layout == _LAYOUT_U4:
-            dot_u4_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last)
+            dot_u4_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset)
         else:
-            dot_u8_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last)
+            dot_u8_rows4(codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset)
     elif layout == _LAYOUT_U4:
-        dot_u4_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last)
+        dot_u4_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset)
     else:
-        dot_u8_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last)
+        dot_u8_rows1(codes, scales, biases, group_shift, xp, row0, out, first, last, out_offset)
 
 
 @njit(**_JIT)
-def _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out):
-    # Output features [first, last) in tiles of 16 features x 4 rows, so that both the
-    # tile's codes and the 4 rows of x stay in L1 while they are reused.
+def _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out,
+                        out_offset):
+    # Output features [first, last) (columns out_offset + o of out) in tiles of 16 features
+    # x 4 rows, so that both the tile's codes and the 4 rows of x stay in L1 while reused.
     group_shift = _group_shift(group_size, 32 if layout == _LAYOUT_U4 else 16)
     rows = xp.shape[0]
     for o0 in range(first, last, 16):
         o1 = min(o0 + 16, last)
         for r in range(0, rows - rows % 4, 4):
-            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 4, o0, o1, out)
+            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 4, o0, o1, out, out_offset)
         for r in range(rows - rows % 4, rows):
-            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 1, o0, o1, out)
+            _fused_tile(codes, scales, biases, layout, group_shift, xp, r, 1, o0, o1, out, out_offset)
 
 
 @njit(**_JIT)
@@ -557,7 +563,7 @@ def _affine_chunk(chunk, num_chunks, x, xp, codes, scales, biases, bits, group_s
     if layout == _LAYOUT_GENERIC:
         _matmul_generic_chunk(x, codes, scales, biases, bits, group_size, first, last, out)
     else:
-        _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out)
+        _matmul_fused_chunk(xp, codes, scales, biases, layout, group_size, first, last, out, 0)
 
 
 @njit(**_JIT, parallel=True)
@@ -584,6 +590,51 @@ def matmul_affine(x, codes, scales, biases, bits, group_size, out):
         _affine_parallel(x, xp, codes, scales, biases, bits, group_size, layout, out)
     else:
         _affine_chunk(0, 1, x, xp, codes, scales, biases, bits, group_size, layout, out)
+
+
+@njit(**_JIT)
+def _parts_chunk(chunk, num_chunks, xp, codes, scales, biases, layout, group_size, offsets, out):
+    # Columns [first, last) of the parts side by side: each part's share of them.
+    first, last = _chunk(chunk, num_chunks, offsets[-1])
+    for p in range(len(codes)):
+        lo, hi = max(first, offsets[p]), min(last, offsets[p + 1])
+        if lo < hi:
+            _matmul_fused_chunk(xp, codes[p], scales[p], biases[p], layout, group_size,
+                                lo - offsets[p], hi - offsets[p], out, offsets[p])
+
+
+@njit(**_JIT, parallel=True)
+def _parts_parallel(xp, codes, scales, biases, layout, group_size, offsets, out):
+    num_chunks = _num_chunks(offsets[-1])
+    for chunk in prange(num_chunks):
+        _parts_chunk(chunk, num_chunks, xp, codes, scales, biases, layout, group_size, offsets,
+                     out)
+
+
+@njit(**_JIT)
+def matmul_affine_parts(x, codes, scales, biases, bits, group_size, out):
+    """out = x @ [w_0 | w_1 | ...].T for affine parts of one kind (q|k|v, gate|up): tuples of
+    each part's codes, scales and biases; out [rows, sum of out_f]. One parallel region over
+    the parts' features together, each feature with matmul_affine's arithmetic (the same
+    bits as the parts one by one). Fast layouts only (`affine_parts_fit`)."""
+    rows, in_features = x.shape
+    offsets = np.zeros(len(codes) + 1, np.int64)
+    for p in range(len(codes)):
+        offsets[p + 1] = offsets[p] + codes[p].shape[0]
+    if rows == 0 or offsets[-1] == 0:
+        return
+    layout = _affine_layout(bits, group_size)
+    xp = _permute_u4(x) if layout == _LAYOUT_U4 else x
+    if rows * offsets[-1] * in_features >= _PARALLEL_MIN_WORK:
+        _parts_parallel(xp, codes, scales, biases, layout, group_size, offsets, out)
+    else:
+        _parts_chunk(0, 1, xp, codes, scales, biases, layout, group_size, offsets, out)
+
+
+@njit(**_JIT)
+def affine_parts_fit(bits, group_size):
+    """Whether matmul_affine_parts takes weights of these bits and group size."""
+    return _affine_layout(bits, group_size) != _LAYOUT_GENERIC
 
 
 # ------------------------------------------------------- matmul on int8 activations

@@ -97,7 +97,7 @@ class CpuOps:
     def linear(self, x: np.ndarray, w: FusedLinear, bias: np.ndarray | None = None) -> np.ndarray:
         """x [..., in] @ w.T (+ bias) -> [..., out_f]; LinearParts: the parts side by side."""
         if isinstance(w, LinearParts):
-            out = np.concatenate([self.linear(x, part) for part in w.parts], axis=-1)
+            out = self._linear_parts(x, w)
             return self._add_bias(out, bias, w.out_features)
         if self._checked.get(id(w)) is not w:
             _check_weight(w)
@@ -117,6 +117,29 @@ class CpuOps:
         else:
             kernels.matmul_dense(rows, w.w, out)
         return self._add_bias(out, bias, w.out_features).reshape(*x.shape[:-1], w.out_features)
+
+    def _linear_parts(self, x: np.ndarray, w: LinearParts) -> np.ndarray:
+        """The parts side by side: one kernel call for affine parts of one kind (a parallel
+        region over all their features), else part by part; the same bits either way."""
+        first = w.parts[0]
+        if not (isinstance(first, AffineWeight) and not self.int8_x
+                and all(isinstance(p, AffineWeight) and (p.bits, p.group_size, p.in_features)
+                        == (first.bits, first.group_size, first.in_features) for p in w.parts)
+                and kernels.affine_parts_fit(first.bits, first.group_size)):
+            return np.concatenate([self.linear(x, part) for part in w.parts], axis=-1)
+        for part in w.parts:
+            if self._checked.get(id(part)) is not part:
+                _check_weight(part)
+        check_array(x, "linear x", np.float32)
+        if x.ndim == 0 or x.shape[-1] != first.in_features:
+            raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features "
+                                f"{first.in_features}")
+        rows = x.reshape(-1, first.in_features)
+        out = np.empty((rows.shape[0], w.out_features), np.float32)
+        parts: list[AffineWeight] = list(w.parts)  # type: ignore[arg-type]
+        kernels.matmul_affine_parts(rows, tuple(p.codes for p in parts), tuple(p.scales for p in parts),
+                                    tuple(p.biases for p in parts), first.bits, first.group_size, out)
+        return out.reshape(*x.shape[:-1], w.out_features)
 
     @staticmethod
     def _add_bias(out: np.ndarray, bias: np.ndarray | None, out_features: int) -> np.ndarray:
@@ -302,8 +325,13 @@ class CpuOps:
     def swiglu_linear(self, x: np.ndarray, gate_up: FusedLinear) -> np.ndarray:
         if not isinstance(gate_up, LinearParts) or len(gate_up.parts) != 2:
             raise BadInputError("swiglu_linear: expected concat_linears([gate, up])")
-        gate, up = gate_up.parts
-        return self.silu_mul(self.linear(x, gate), self.linear(x, up))
+        gate_up_out = self.linear(x, gate_up).reshape(-1, gate_up.out_features)
+        width = gate_up.parts[0].out_features
+        if gate_up.parts[1].out_features != width:
+            raise BadInputError("swiglu_linear: gate and up must have the same out_features")
+        out = np.empty((gate_up_out.shape[0], width), np.float32)
+        kernels.silu_mul(gate_up_out[:, :width], gate_up_out[:, width:], out)
+        return out.reshape(*x.shape[:-1], width)
 
     # ------------------------------------------------------------------ Gated DeltaNet
     def causal_conv1d(self, x: np.ndarray, conv_states: np.ndarray, weight: np.ndarray,
