@@ -8,6 +8,7 @@ bounds inside compiled code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -65,7 +66,9 @@ class CpuOps:
     capabilities = Capabilities()  # host sampler, checks on the host already, no graphs
 
     def __init__(self, int8_x: bool = False) -> None:
-        self._checked: dict[int, Linear] = {}  # id -> uploaded weight (kept alive: no id reuse)
+        # id -> uploaded weight or concat_linears of them (kept alive: no id reuse)
+        self._checked: dict[int, FusedLinear] = {}
+        self._plans: dict[int, _MatmulPlan] = {}  # id -> plan of a weight in _checked
         # int8_x: affine matmuls on int8 x, with the GPU's numerics and order (the CPU twin of
         # cuda_kernels/qdot.py; a slow reference for checking the GPU backend). Off: float32 x.
         self.int8_x = int8_x
@@ -96,50 +99,29 @@ class CpuOps:
     # ------------------------------------------------------------------ matmuls
     def linear(self, x: np.ndarray, w: FusedLinear, bias: np.ndarray | None = None) -> np.ndarray:
         """x [..., in] @ w.T (+ bias) -> [..., out_f]; LinearParts: the parts side by side."""
-        if isinstance(w, LinearParts):
-            out = self._linear_parts(x, w)
-            return self._add_bias(out, bias, w.out_features)
-        if self._checked.get(id(w)) is not w:
-            _check_weight(w)
-        check_array(x, "linear x", np.float32)
-        if x.ndim == 0 or x.shape[-1] != w.in_features:
+        plan = self._plan(w)
+        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous):
+            check_array(x, "linear x", np.float32)
+        if x.ndim == 0 or x.shape[-1] != plan.in_features:
             raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features "
-                             f"{w.in_features}")
-        rows = x.reshape(-1, w.in_features)
-        out = np.empty((rows.shape[0], w.out_features), np.float32)
-        if isinstance(w, AffineWeight) and self.int8_x and _int8_x_fits(w):
-            xq = np.empty(rows.shape, np.int8)
-            xs = np.empty((rows.shape[0], 2 * rows.shape[1] // 32), np.float32)
-            kernels.quantize_rows_int8(rows, w.bits == 4, xq, xs)
-            kernels.matmul_affine_int8x(xq, xs, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
-        elif isinstance(w, AffineWeight):
-            kernels.matmul_affine(rows, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
-        else:
-            kernels.matmul_dense(rows, w.w, out)
-        return self._add_bias(out, bias, w.out_features).reshape(*x.shape[:-1], w.out_features)
+                                f"{plan.in_features}")
+        rows = x if x.ndim == 2 else x.reshape(-1, plan.in_features)
+        out = np.empty((rows.shape[0], plan.out_features), np.float32)
+        plan.run(rows, out)
+        out = self._add_bias(out, bias, plan.out_features)
+        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], plan.out_features)
 
-    def _linear_parts(self, x: np.ndarray, w: LinearParts) -> np.ndarray:
-        """The parts side by side: one kernel call for affine parts of one kind (a parallel
-        region over all their features), else part by part; the same bits either way."""
-        first = w.parts[0]
-        if not (isinstance(first, AffineWeight) and not self.int8_x
-                and all(isinstance(p, AffineWeight) and (p.bits, p.group_size, p.in_features)
-                        == (first.bits, first.group_size, first.in_features) for p in w.parts)
-                and kernels.affine_parts_fit(first.bits, first.group_size)):
-            return np.concatenate([self.linear(x, part) for part in w.parts], axis=-1)
-        for part in w.parts:
-            if self._checked.get(id(part)) is not part:
-                _check_weight(part)
-        check_array(x, "linear x", np.float32)
-        if x.ndim == 0 or x.shape[-1] != first.in_features:
-            raise BadInputError(f"linear: x has shape {x.shape}, weight expects in_features "
-                                f"{first.in_features}")
-        rows = x.reshape(-1, first.in_features)
-        out = np.empty((rows.shape[0], w.out_features), np.float32)
-        parts: list[AffineWeight] = list(w.parts)  # type: ignore[arg-type]
-        kernels.matmul_affine_parts(rows, tuple(p.codes for p in parts), tuple(p.scales for p in parts),
-                                    tuple(p.biases for p in parts), first.bits, first.group_size, out)
-        return out.reshape(*x.shape[:-1], w.out_features)
+    def _plan(self, w: FusedLinear) -> _MatmulPlan:
+        """How `w` is multiplied, checked once for a weight this ops uploaded (or a
+        concat_linears of them) and kept; other weights (an expert's view made per call)
+        are checked every time and not kept."""
+        plan = self._plans.get(id(w))
+        if plan is not None and plan.weight is w:
+            return plan
+        plan = _MatmulPlan(w, self.int8_x, self._checked)
+        if self._checked.get(id(w)) is w:
+            self._plans[id(w)] = plan
+        return plan
 
     @staticmethod
     def _add_bias(out: np.ndarray, bias: np.ndarray | None, out_features: int) -> np.ndarray:
@@ -285,7 +267,10 @@ class CpuOps:
     # stands for, so the CPU runs the decoder's one layer code with the bits of those ops.
     def concat_linears(self, ws: list[Linear]) -> tuple[LinearParts, list[Linear]]:
         """ws kept apart (the checkpoint holds them: a concatenation would be a second copy)."""
-        return LinearParts(tuple(ws)), list(ws)
+        parts = LinearParts(tuple(ws))
+        if all(self._checked.get(id(w)) is w for w in ws):
+            self._checked[id(parts)] = parts
+        return parts, list(ws)
 
     def rms_norm_for(self, x: np.ndarray, w: np.ndarray, eps: float,
                      linear: FusedLinear) -> np.ndarray:
@@ -378,6 +363,63 @@ class CpuOps:
 
     def sigmoid_gate_mul(self, x: np.ndarray, gate: np.ndarray) -> None:
         gdn.sigmoid_gate_mul(x, gate, x)
+
+
+class _MatmulPlan:
+    """A weight's matmul, its checks done: `run(rows [n, in] f32, out [n, out_f] f32)`."""
+
+    __slots__ = ("weight", "in_features", "out_features", "run")
+
+    def __init__(self, w: FusedLinear, int8_x: bool, checked: dict[int, FusedLinear]) -> None:
+        self.weight, self.in_features, self.out_features = w, w.in_features, w.out_features
+        parts = w.parts if isinstance(w, LinearParts) else (w,)
+        for part in parts:
+            if checked.get(id(part)) is not part:
+                _check_weight(part)
+        if isinstance(w, LinearParts):
+            self.run = _parts_matmul(w, int8_x)
+        elif isinstance(w, AffineWeight) and int8_x and _int8_x_fits(w):
+            self.run = _int8_x_matmul(w)
+        elif isinstance(w, AffineWeight):
+            codes, scales, biases, bits, gs = w.codes, w.scales, w.biases, w.bits, w.group_size
+            self.run = lambda rows, out: kernels.matmul_affine(rows, codes, scales, biases, bits, gs, out)
+        else:
+            dense = w.w
+            self.run = lambda rows, out: kernels.matmul_dense(rows, dense, out)
+
+
+def _int8_x_matmul(w: AffineWeight) -> Callable[[np.ndarray, np.ndarray], None]:
+    def run(rows: np.ndarray, out: np.ndarray) -> None:
+        xq = np.empty(rows.shape, np.int8)
+        xs = np.empty((rows.shape[0], 2 * rows.shape[1] // 32), np.float32)
+        kernels.quantize_rows_int8(rows, w.bits == 4, xq, xs)
+        kernels.matmul_affine_int8x(xq, xs, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
+
+    return run
+
+
+def _parts_matmul(w: LinearParts, int8_x: bool) -> Callable[[np.ndarray, np.ndarray], None]:
+    """The parts side by side: one kernel call for affine parts of one kind (one parallel
+    region over all their features), else part by part; the same bits either way."""
+    first = w.parts[0]
+    if (isinstance(first, AffineWeight) and not int8_x
+            and all(isinstance(p, AffineWeight) and (p.bits, p.group_size, p.in_features)
+                    == (first.bits, first.group_size, first.in_features) for p in w.parts)
+            and kernels.affine_parts_fit(first.bits, first.group_size)):
+        parts: list[AffineWeight] = list(w.parts)  # type: ignore[arg-type]
+        codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
+        biases, bits, gs = tuple(p.biases for p in parts), first.bits, first.group_size
+        return lambda rows, out: kernels.matmul_affine_parts(rows, codes, scales, biases, bits, gs, out)
+    plans = [_MatmulPlan(part, int8_x, {id(part): part}) for part in w.parts]
+    bounds = np.cumsum([0] + [p.out_features for p in plans]).tolist()
+
+    def run(rows: np.ndarray, out: np.ndarray) -> None:
+        for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:], strict=True):
+            part_out = np.empty((rows.shape[0], hi - lo), np.float32)
+            plan.run(rows, part_out)
+            out[:, lo:hi] = part_out
+
+    return run
 
 
 def _check_frozen(row_lanes: np.ndarray, frozen: np.ndarray, num_lanes: int) -> None:
