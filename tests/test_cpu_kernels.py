@@ -465,3 +465,36 @@ def test_ops_reject_bad_arguments() -> None:
         OPS.attention(q, kv, 0, None, table, np.array([0], np.int64), np.array([1], np.int64), 4, 1.0)
     with pytest.raises(ValueError, match="page_ids"):
         OPS.zero_pages(kv, np.array([2], np.int32), 4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_attn_inputs_equal_the_basic_ops(kv_dtype: str, norms: bool, rows: int) -> None:
+    """attn_inputs in one kernel call: q and the stored K/V bit-identical to split + q/k
+    norms + two ropes + kv_write."""
+    rng = rng_for(rows + 10 * norms)
+    nh, nkv, hd = 9, 3, 64
+    qkv = randn(rng, rows, (nh + 2 * nkv) * hd)
+    q_norm = rng.random(hd).astype(np.float32) if norms else None
+    k_norm = rng.random(hd).astype(np.float32) if norms else None
+    positions = rng.integers(0, 1000, rows).astype(np.int64)
+    inv_freq = rng.random(24).astype(np.float32)
+    slots = rng.permutation(64)[:rows].astype(np.int64)
+    scales = np.array([[1.0, 1.0], [0.5, 0.25]], np.float32) if kv_dtype == "fp8" else None
+    fused_kv, basic_kv = OPS.alloc_kv(2, 64, nkv, hd, kv_dtype), OPS.alloc_kv(2, 64, nkv, hd, kv_dtype)
+    q = OPS.attn_inputs(qkv, q_norm, k_norm, 1e-6, positions, inv_freq, 1.3, fused_kv, 1, slots,
+                        scales, nh)
+    q_ref = np.ascontiguousarray(qkv[:, :nh * hd]).reshape(rows, nh, hd)
+    k_ref = np.ascontiguousarray(qkv[:, nh * hd:(nh + nkv) * hd]).reshape(rows, nkv, hd)
+    v_ref = np.ascontiguousarray(qkv[:, (nh + nkv) * hd:]).reshape(rows, nkv, hd)
+    if q_norm is not None and k_norm is not None:
+        q_ref, k_ref = OPS.rms_norm(q_ref, q_norm, 1e-6), OPS.rms_norm(k_ref, k_norm, 1e-6)
+    OPS.rope(q_ref, positions, inv_freq, 1.3)
+    OPS.rope(k_ref, positions, inv_freq, 1.3)
+    OPS.kv_write(basic_kv, 1, k_ref, v_ref, slots, scales)
+    assert np.array_equal(q.view(np.uint32), q_ref.view(np.uint32))
+    assert np.array_equal(fused_kv.view(np.uint8), basic_kv.view(np.uint8))
+    with pytest.raises(ValueError, match="kv_write slots"):
+        OPS.attn_inputs(qkv, q_norm, k_norm, 1e-6, positions, inv_freq, 1.3, fused_kv, 1,
+                        slots + 64, scales, nh)

@@ -799,6 +799,33 @@ def silu_mul(gate, up, out):
             out[r, i] = g / (_F32(1.0) + _exp32(-g)) * up[r, i]
 
 
+@njit(**_JIT)
+def attn_inputs(qkv, q_norm, k_norm, eps, positions, inv_freq, mscale, kv_layer, slots,
+                k_scale, v_scale, q):
+    """A fused layer's attention inputs in one call, with the bits of the basic ops: q|k|v
+    rows [rows, (nh + 2 nkv) hd] split, q and k RMS-normed per head when q_norm/k_norm are
+    given, RoPE on both (cos and sin formed once a row, as `rope` forms them), k and v
+    stored at `slots` (kv_write); q [rows, nh, hd] is the output."""
+    rows, num_heads, head_dim = q.shape
+    nkv = kv_layer.shape[2]
+    k = np.empty((rows, nkv, head_dim), _F32)
+    v = np.empty((rows, nkv, head_dim), _F32)
+    q_width, k_width = num_heads * head_dim, nkv * head_dim
+    for r in range(rows):
+        for i in range(q_width):
+            q[r, i // head_dim, i % head_dim] = qkv[r, i]
+        for i in range(k_width):
+            k[r, i // head_dim, i % head_dim] = qkv[r, q_width + i]
+            v[r, i // head_dim, i % head_dim] = qkv[r, q_width + k_width + i]
+    if q_norm is not None and k_norm is not None:
+        q_rows, k_rows = q.reshape(rows * num_heads, head_dim), k.reshape(rows * nkv, head_dim)
+        rms_norm(q_rows, q_norm, eps, q_rows)
+        rms_norm(k_rows, k_norm, eps, k_rows)
+    rope(q, positions, inv_freq, mscale)
+    rope(k, positions, inv_freq, mscale)
+    kv_write(k, v, kv_layer, slots, k_scale, v_scale)
+
+
 # ----------------------------------------------------------------------------- KV cache
 @njit(**_JIT)
 def kv_write(k, v, kv_layer, slots, k_scale, v_scale):

@@ -280,19 +280,30 @@ class CpuOps:
                     eps: float, positions: np.ndarray, inv_freq: np.ndarray, mscale: float,
                     kv: np.ndarray, layer: int, slots: np.ndarray, kv_scales: np.ndarray | None,
                     num_heads: int) -> np.ndarray:
+        """The basic ops' bits (split, q/k norms, ropes, kv_write) in one kernel call."""
         check_kv(kv, layer)
         nkv, hd = kv.shape[3], kv.shape[4]
         rows, q_width, k_width = qkv.shape[0], num_heads * hd, nkv * hd
         check_array(qkv, "attn_inputs qkv", np.float32, 2)
         check_shape(qkv, "attn_inputs qkv", (rows, q_width + 2 * k_width))
-        q, k, v = (np.ascontiguousarray(qkv[:, lo:hi]).reshape(rows, -1, hd) for lo, hi in
-                   ((0, q_width), (q_width, q_width + k_width), (q_width + k_width, qkv.shape[1])))
-        if q_norm is not None:
-            assert k_norm is not None
-            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
-        self.rope(q, positions, inv_freq, mscale)
-        self.rope(k, positions, inv_freq, mscale)
-        self.kv_write(kv, layer, k, v, slots, kv_scales)
+        if (q_norm is None) != (k_norm is None):
+            raise BadInputError("attn_inputs: q_norm and k_norm go together")
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None:
+                check_array(norm, f"attn_inputs {name}", np.float32, 1)
+                check_shape(norm, f"attn_inputs {name}", (hd,))
+        check_array(positions, "rope positions", np.int64, 1)
+        check_array(inv_freq, "rope inv_freq", np.float32, 1)
+        check_shape(positions, "rope positions", (rows,))
+        if 2 * inv_freq.shape[0] > hd:
+            raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {hd}")
+        check_array(slots, "kv_write slots", np.int64, 1)
+        check_shape(slots, "kv_write slots", (rows,))
+        _check_range(slots, "kv_write slots", 0, kv.shape[2])
+        k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
+        q = np.empty((rows, num_heads, hd), np.float32)
+        kernels.attn_inputs(qkv, q_norm, k_norm, float(eps), positions, inv_freq, float(mscale),
+                            kv[layer], slots, k_scale, v_scale, q)
         return q
 
     def attention_for(self, q: np.ndarray, kv: np.ndarray, layer: int,
