@@ -16,14 +16,19 @@ import statistics
 import time
 
 TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall "
-        "of Constantinople. Historians divide it into periods marked by wars, reforms and emperors. ") * 20
+        "of Constantinople. Historians divide it into periods marked by wars, reforms and emperors. ") * 200
+
+
+def _ctx(ids: list[int], decode: int) -> int:
+    """A context that holds the prompt and the decode run (2048 at least)."""
+    return max(2048, len(ids) + decode + 64)
 
 
 def bench_tf_async(path: str, ids: list[int], decode: int) -> tuple[float, float]:
     from tf_async import Engine
 
     async def run() -> tuple[float, float]:
-        async with Engine(path, device="cpu", parallel=1, ctx=2048, step_tokens=512) as eng:
+        async with Engine(path, device="cpu", parallel=1, ctx=_ctx(ids, decode), step_tokens=512) as eng:
             await eng.complete(ids[:8], max_tokens=2)  # warm-up / compile
             t0 = time.perf_counter()
             await eng.complete(ids, max_tokens=1)
@@ -42,7 +47,7 @@ def bench_tf_async(path: str, ids: list[int], decode: int) -> tuple[float, float
 def bench_llama_cpp(path: str, ids: list[int], decode: int, threads: int) -> tuple[float, float]:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=_ctx(ids, decode),
                 n_batch=512, verbose=False)
     llm.reset()
     t0 = time.perf_counter()
@@ -121,14 +126,16 @@ def main() -> None:
         if hf:
             results["transformers"].append(hf)
     base = statistics.median(d for _, d in results["llama.cpp"])
+    base_prefill = statistics.median(p for p, _ in results["llama.cpp"])
     print(f"default model, {args.threads} threads, prefill {len(ids)} tokens, decode {args.decode} tokens, "
           f"median of {args.repeats}")
-    print(f"{'engine':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs llama.cpp':>20}")
+    print(f"{'engine':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill vs llama.cpp':>21} "
+          f"{'decode vs llama.cpp':>20}")
     for name, runs in results.items():
         if runs:
             pre = statistics.median(p for p, _ in runs)
             dec = statistics.median(d for _, d in runs)
-            print(f"{name:<14} {pre:>14.1f} {dec:>13.1f} {dec / base:>19.2f}x")
+            print(f"{name:<14} {pre:>14.1f} {dec:>13.1f} {pre / base_prefill:>20.2f}x {dec / base:>19.2f}x")
 
 
 if __name__ == "__main__":
