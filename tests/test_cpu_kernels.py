@@ -498,3 +498,24 @@ def test_fused_attn_inputs_equal_the_basic_ops(kv_dtype: str, norms: bool, rows:
     with pytest.raises(ValueError, match="kv_write slots"):
         OPS.attn_inputs(qkv, q_norm, k_norm, 1e-6, positions, inv_freq, 1.3, fused_kv, 1,
                         slots + 64, scales, nh)
+
+
+def test_matmul_plans_are_kept_for_uploaded_weights_only() -> None:
+    """A weight the ops uploaded (and concat_linears of such) keeps its checked plan; a weight
+    made per call (an expert's view) is checked every call and never kept, so the plans do not
+    grow with calls; a changed weight under a reused id gets a new plan."""
+    ops, rng = CpuOps(), rng_for(31)
+    kept = ops.upload_linear(quantize_affine(randn(rng, 32, 64), 4, 32))
+    parts, _ = ops.concat_linears([kept, ops.upload_linear(quantize_affine(randn(rng, 16, 64), 4, 32))])
+    x = randn(rng, 2, 64)
+    ops.linear(x, kept)
+    ops.linear(x, parts)
+    assert len(ops._plans) == 2
+    for _ in range(5):
+        transient = quantize_affine(randn(rng, 8, 64), 4, 32)
+        np.testing.assert_allclose(ops.linear(x, transient), x @ transient.dequantize().T,
+                                   rtol=1e-5, atol=1e-5)
+    assert len(ops._plans) == 2
+    bad = AffineWeight(kept.codes, kept.scales.astype(np.float64), kept.biases, 4, 32)
+    with pytest.raises(ValueError, match="scales"):
+        ops.linear(x, bad)

@@ -804,8 +804,8 @@ def attn_inputs(qkv, q_norm, k_norm, eps, positions, inv_freq, mscale, kv_layer,
                 k_scale, v_scale, q):
     """A fused layer's attention inputs in one call, with the bits of the basic ops: q|k|v
     rows [rows, (nh + 2 nkv) hd] split, q and k RMS-normed per head when q_norm/k_norm are
-    given, RoPE on both (cos and sin formed once a row, as `rope` forms them), k and v
-    stored at `slots` (kv_write); q [rows, nh, hd] is the output."""
+    given, RoPE on both (`rope`), k and v stored at `slots` (`kv_write`); q [rows, nh, hd] is
+    the output."""
     rows, num_heads, head_dim = q.shape
     nkv = kv_layer.shape[2]
     k = np.empty((rows, nkv, head_dim), _F32)

@@ -160,11 +160,7 @@ class CpuOps:
              mscale: float) -> None:
         """RoPE in place. x [rows, heads, hd], positions [rows] int64, inv_freq [rot/2]."""
         check_array(x, "rope x", np.float32, 3)
-        check_array(positions, "rope positions", np.int64, 1)
-        check_array(inv_freq, "rope inv_freq", np.float32, 1)
-        check_shape(positions, "rope positions", (x.shape[0],))
-        if 2 * inv_freq.shape[0] > x.shape[2]:
-            raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {x.shape[2]}")
+        _check_rope(positions, inv_freq, x.shape[0], x.shape[2])
         kernels.rope(x, positions, inv_freq, float(mscale))
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -191,10 +187,9 @@ class CpuOps:
         check_kv(kv, layer)
         check_array(k, "kv_write k", np.float32, 3)
         check_array(v, "kv_write v", np.float32, 3)
-        check_array(slots, "kv_write slots", np.int64, 1)
+        _check_slots(slots, k.shape[0], kv)
         check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
         check_shape(v, "kv_write v", k.shape)
-        _check_range(slots, "kv_write slots", 0, kv.shape[2])
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
         kernels.kv_write(k, v, kv[layer], slots, k_scale, v_scale)
 
@@ -292,14 +287,8 @@ class CpuOps:
             if norm is not None:
                 check_array(norm, f"attn_inputs {name}", np.float32, 1)
                 check_shape(norm, f"attn_inputs {name}", (hd,))
-        check_array(positions, "rope positions", np.int64, 1)
-        check_array(inv_freq, "rope inv_freq", np.float32, 1)
-        check_shape(positions, "rope positions", (rows,))
-        if 2 * inv_freq.shape[0] > hd:
-            raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {hd}")
-        check_array(slots, "kv_write slots", np.int64, 1)
-        check_shape(slots, "kv_write slots", (rows,))
-        _check_range(slots, "kv_write slots", 0, kv.shape[2])
+        _check_rope(positions, inv_freq, rows, hd)
+        _check_slots(slots, rows, kv)
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
         q = np.empty((rows, num_heads, hd), np.float32)
         kernels.attn_inputs(qkv, q_norm, k_norm, float(eps), positions, inv_freq, float(mscale),
@@ -321,10 +310,10 @@ class CpuOps:
     def swiglu_linear(self, x: np.ndarray, gate_up: FusedLinear) -> np.ndarray:
         if not isinstance(gate_up, LinearParts) or len(gate_up.parts) != 2:
             raise BadInputError("swiglu_linear: expected concat_linears([gate, up])")
-        gate_up_out = self.linear(x, gate_up).reshape(-1, gate_up.out_features)
         width = gate_up.parts[0].out_features
         if gate_up.parts[1].out_features != width:
             raise BadInputError("swiglu_linear: gate and up must have the same out_features")
+        gate_up_out = self.linear(x, gate_up).reshape(-1, gate_up.out_features)
         out = np.empty((gate_up_out.shape[0], width), np.float32)
         kernels.silu_mul(gate_up_out[:, :width], gate_up_out[:, width:], out)
         return out.reshape(*x.shape[:-1], width)
@@ -431,6 +420,21 @@ def _parts_matmul(w: LinearParts, int8_x: bool) -> Callable[[np.ndarray, np.ndar
             out[:, lo:hi] = part_out
 
     return run
+
+
+def _check_rope(positions: np.ndarray, inv_freq: np.ndarray, rows: int, head_dim: int) -> None:
+    check_array(positions, "rope positions", np.int64, 1)
+    check_array(inv_freq, "rope inv_freq", np.float32, 1)
+    check_shape(positions, "rope positions", (rows,))
+    if 2 * inv_freq.shape[0] > head_dim:
+        raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {head_dim}")
+
+
+def _check_slots(slots: np.ndarray, rows: int, kv: np.ndarray) -> None:
+    """slots [rows] int64, each a slot of the arena kv."""
+    check_array(slots, "kv_write slots", np.int64, 1)
+    check_shape(slots, "kv_write slots", (rows,))
+    _check_range(slots, "kv_write slots", 0, kv.shape[2])
 
 
 def _check_frozen(row_lanes: np.ndarray, frozen: np.ndarray, num_lanes: int) -> None:
