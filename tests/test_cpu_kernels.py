@@ -12,7 +12,8 @@ from tf_async.backend.cpu import kernels
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.backend.weights import AffineWeight, DenseWeight, LinearParts, quantize_affine
 
-OPS = CpuOps()
+OPS = CpuOps()  # the default: affine matmuls on int8 x where the weight fits
+FLOAT_X = CpuOps(int8_x=False)  # affine matmuls on float32 x (kernels.matmul_affine)
 
 
 def rng_for(seed: int) -> np.random.Generator:
@@ -48,7 +49,7 @@ def test_matmul_affine_matches_reference(bits: int, group_size: int) -> None:
     in_features = 7 * group_size  # an odd number of groups (and of code blocks)
     w = quantize_affine(randn(rng, 37, in_features), bits, group_size)
     x = randn(rng, 5, in_features)
-    out = OPS.linear(x, w)
+    out = FLOAT_X.linear(x, w)
     ref = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
 
@@ -80,7 +81,70 @@ def test_int8_x_matmul_twin_matches_reference_and_is_batch_invariant(bits: int, 
     assert_batch_invariant(lambda rows: ops.linear(x[rows], w), 6)
     odd = quantize_affine(randn(rng, 5, 48), bits, 16)  # groups of 16: float32 x
     x48 = np.ascontiguousarray(x[:, :48])
-    np.testing.assert_array_equal(ops.linear(x48, odd), OPS.linear(x48, odd))
+    np.testing.assert_array_equal(ops.linear(x48, odd), FLOAT_X.linear(x48, odd))
+
+
+def _int8_x_reference(x: np.ndarray, w: AffineWeight) -> np.ndarray:
+    """kernels' twin of the GPU's qdot (quantize_rows_int8, matmul_affine_int8x): the bits
+    that int8_matmul must give."""
+    xq, xs = np.empty(x.shape, np.int8), np.empty((x.shape[0], x.shape[1] // 16), np.float32)
+    kernels.quantize_rows_int8(x, w.bits == 4, xq, xs)
+    out = np.full((x.shape[0], w.out_features), np.nan, np.float32)
+    kernels.matmul_affine_int8x(xq, xs, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
+    return out
+
+
+# in_features of 1 chunk, 3 (a pair and a lone one), 7, 9 (a block and one), 18 (the default
+# model: 2 blocks and a pair), 48 (6 blocks); groups of 1, 2, 4, 8 chunks where they fit
+INT8_SHAPES = [(32, 32), (96, 32), (224, 32), (288, 32), (576, 32), (576, 64), (1536, 32),
+               (1536, 128), (256, 256), (512, 64)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("in_features", "group_size"), INT8_SHAPES)
+def test_int8_matmul_gives_the_twins_bits(bits: int, in_features: int, group_size: int) -> None:
+    """The default CPU matmul of affine weights (int8_matmul: byte SIMD, 8 chunks a vector)
+    gives kernels.matmul_affine_int8x's bits (the GPU's numerics and order), row for row,
+    whatever the rows of the call (1 .. 9: the 4-row tiles and the rows left over)."""
+    rng = rng_for(bits * 7919 + in_features + group_size)
+    w = quantize_affine(randn(rng, 37, in_features), bits, group_size)
+    x = randn(rng, 9, in_features) * np.float32(3.0)
+    x[2, :32] = 0.0  # a zero chunk: d = 0
+    x[3, :3] = [400.0, -400.0, 0.5]
+    out = OPS.linear(x, w)
+    assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32))
+    for rows in (1, 4, 5):
+        assert np.array_equal(OPS.linear(x[-rows:], w).view(np.uint32), out[-rows:].view(np.uint32))
+
+
+def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path) -> None:
+    """Without AVX2 (TF_ASYNC_CPU_AVX2=0: plain LLVM vectors for maddubs, phaddw, madd and the
+    8-bit sign trick), the same integers and so the same bits, in a fresh process with its own
+    Numba cache."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from tf_async.backend.cpu import int8_matmul\n"
+        "from tests.test_cpu_kernels import INT8_SHAPES, _int8_x_reference, randn, rng_for\n"
+        "from tf_async.backend.weights import quantize_affine\n"
+        "assert not int8_matmul.AVX2\n"
+        "for bits in (4, 8):\n"
+        "    for in_f, gs in INT8_SHAPES:\n"
+        "        rng = rng_for(in_f + gs + bits)\n"
+        "        w = quantize_affine(randn(rng, 21, in_f), bits, gs)\n"
+        "        x = randn(rng, 6, in_f)\n"
+        "        out = np.empty((6, 21), np.float32)\n"
+        "        int8_matmul.matmul(x, (w.codes,), (w.scales,), (w.biases,), bits, gs, out)\n"
+        "        assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32)), (bits, in_f, gs)\n"
+        "print('same bits')\n")
+    env = {**os.environ, "TF_ASYNC_CPU_AVX2": "0", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same bits" in done.stdout
 
 
 def test_matmul_dense_and_bias_match_reference() -> None:
@@ -92,31 +156,35 @@ def test_matmul_dense_and_bias_match_reference() -> None:
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("ops", [OPS, FLOAT_X], ids=["int8_x", "float_x"])
 @pytest.mark.parametrize(("bits", "group_size"), [*AFFINE_CASES, (0, 0)])
-def test_matmuls_are_batch_invariant(bits: int, group_size: int) -> None:
+def test_matmuls_are_batch_invariant(bits: int, group_size: int, ops: CpuOps) -> None:
     rng = rng_for(7 + bits)
     dense = randn(rng, 70, 384)
     w = DenseWeight(dense) if bits == 0 else quantize_affine(dense, bits, group_size)
     x = randn(rng, 11, 384)
-    assert_batch_invariant(lambda rows: OPS.linear(x[rows], w), 11)
+    assert_batch_invariant(lambda rows: ops.linear(x[rows], w), 11)
 
 
-@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32), (8, 128), (4, 48)])
+@pytest.mark.parametrize("ops", [OPS, FLOAT_X], ids=["int8_x", "float_x"])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32), (8, 128), (4, 48), (4, 96)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 80])
-def test_fused_parts_equal_the_parts_one_by_one(bits: int, group_size: int, rows: int) -> None:
+def test_fused_parts_equal_the_parts_one_by_one(bits: int, group_size: int, rows: int,
+                                                ops: CpuOps) -> None:
     """q|k|v and gate|up in one call (one parallel region over every part's features) give
-    each column the bits of its part's own matmul, in its place (group 48: part by part)."""
+    each column the bits of its part's own matmul, in its place (group 48, and 96 on int8 x:
+    part by part)."""
     rng = rng_for(bits * 1000 + group_size + rows)
-    in_f = 192 if group_size == 48 else 256
+    in_f = {48: 192, 96: 288}.get(group_size, 256)
     parts = tuple(quantize_affine(randn(rng, n, in_f), bits, group_size) for n in (96, 32, 48))
     x = randn(rng, rows, in_f)
-    fused = OPS.linear(x, LinearParts(parts))
-    alone = np.concatenate([OPS.linear(x, p) for p in parts], axis=-1)
+    fused = ops.linear(x, LinearParts(parts))
+    alone = np.concatenate([ops.linear(x, p) for p in parts], axis=-1)
     assert fused.shape == (rows, 176)
     assert np.array_equal(fused.view(np.uint32), alone.view(np.uint32))
     gate, up = parts[0], quantize_affine(randn(rng, 96, in_f), bits, group_size)
-    swiglu = OPS.swiglu_linear(x, LinearParts((gate, up)))
-    expected = OPS.silu_mul(OPS.linear(x, gate), OPS.linear(x, up))
+    swiglu = ops.swiglu_linear(x, LinearParts((gate, up)))
+    expected = ops.silu_mul(ops.linear(x, gate), ops.linear(x, up))
     assert np.array_equal(swiglu.view(np.uint32), expected.view(np.uint32))
 
 
@@ -504,7 +572,7 @@ def test_matmul_plans_are_kept_for_uploaded_weights_only() -> None:
     """A weight the ops uploaded (and concat_linears of such) keeps its checked plan; a weight
     made per call (an expert's view) is checked every call and never kept, so the plans do not
     grow with calls; a changed weight under a reused id gets a new plan."""
-    ops, rng = CpuOps(), rng_for(31)
+    ops, rng = CpuOps(int8_x=False), rng_for(31)
     kept = ops.upload_linear(quantize_affine(randn(rng, 32, 64), 4, 32))
     parts, _ = ops.concat_linears([kept, ops.upload_linear(quantize_affine(randn(rng, 16, 64), 4, 32))])
     x = randn(rng, 2, 64)

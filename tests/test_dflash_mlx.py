@@ -74,7 +74,7 @@ def test_mlx_quantized_drafter_loads_as_affine_and_drafts_as_its_dequantized_twi
         assert ckpt.weights.selector.predecessor_codebook.dtype == np.float32
     twin = load_dflash(_dequantized_folder(tmp_path, ckpt, cfg))
     assert isinstance(twin.weights.fc, DenseWeight)
-    ops = CpuOps()
+    ops = CpuOps(int8_x=False)  # float32 x: the quantized drafter against its dequantized twin
     target = tiny_llama.weights
     models = [DFlashModel(c, ops, ops.upload_linear(target.embed), ops.upload_linear(target.lm_head))
               for c in (ckpt, twin)]

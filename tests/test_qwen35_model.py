@@ -57,7 +57,8 @@ def write_variant(folder: Path, moe: bool, kind: str, **kw) -> tuple[dict, dict,
 def model(request, tmp_path_factory) -> Model:
     moe, kw = VARIANTS[request.param]
     cfg, effective, path = write_variant(tmp_path_factory.mktemp(request.param), moe, **dict(kw))
-    decoder = make_decoder(load_checkpoint(path), CpuOps(), num_lanes=4)
+    # float32 x: the float64 references' arithmetic (int8 x: the gate tests and test_cpu_kernels)
+    decoder = make_decoder(load_checkpoint(path), CpuOps(int8_x=False), num_lanes=4)
     assert isinstance(decoder, HybridDecoder)
     return Model(cfg, effective, path, decoder)
 

@@ -26,7 +26,7 @@ from ..checks import (
     num_pages_of,
 )
 from ..weights import AffineWeight, DenseWeight, FusedLinear, Linear, LinearParts
-from . import gdn, kernels
+from . import gdn, int8_matmul, kernels
 
 
 def _check_range(values: np.ndarray, name: str, low: int, high: int) -> None:
@@ -53,9 +53,9 @@ def _layer_scales(kv_scales: Any, kv: np.ndarray, layer: int) -> tuple[float, fl
     return float(kv_scales[layer, 0]), float(kv_scales[layer, 1])
 
 
-def _int8_x_fits(w: AffineWeight) -> bool:
+def _int8_x_fits(w: Any) -> bool:
     """The rule of cuda_kernels.qdot.supports: whole chunks of 32 inside each scale group."""
-    return w.in_features % 32 == 0 and w.group_size % 32 == 0
+    return isinstance(w, AffineWeight) and w.in_features % 32 == 0 and w.group_size % 32 == 0
 
 
 class CpuOps:
@@ -65,12 +65,14 @@ class CpuOps:
     xp = np
     capabilities = Capabilities()  # host sampler, checks on the host already, no graphs
 
-    def __init__(self, int8_x: bool = False) -> None:
+    def __init__(self, int8_x: bool = True) -> None:
         # id -> uploaded weight or concat_linears of them (kept alive: no id reuse)
         self._checked: dict[int, FusedLinear] = {}
         self._plans: dict[int, _MatmulPlan] = {}  # id -> plan of a weight in _checked
-        # int8_x: affine matmuls on int8 x, with the GPU's numerics and order (the CPU twin of
-        # cuda_kernels/qdot.py; a slow reference for checking the GPU backend). Off: float32 x.
+        # int8_x (the default): affine matmuls on int8 x where the weight fits (_int8_x_fits:
+        # the GPU's rule), with the GPU's numerics and order (cuda_kernels/qdot.py), on byte
+        # SIMD (int8_matmul; kernels.matmul_affine_int8x for groups of 32 * 3, 5, ...).
+        # Off: float32 x (kernels.matmul_affine).
         self.int8_x = int8_x
 
     def asarray(self, array: np.ndarray) -> np.ndarray:
@@ -378,8 +380,8 @@ class _MatmulPlan:
                 _check_weight(part)
         if isinstance(w, LinearParts):
             self.run = _parts_matmul(w, int8_x)
-        elif isinstance(w, AffineWeight) and int8_x and _int8_x_fits(w):
-            self.run = _int8_x_matmul(w)
+        elif int8_x and _int8_x_fits(w):
+            self.run = _int8_x_matmul((w,))  # type: ignore[arg-type]
         elif isinstance(w, AffineWeight):
             codes, scales, biases, bits, gs = w.codes, w.scales, w.biases, w.bits, w.group_size
             self.run = lambda rows, out: kernels.matmul_affine(rows, codes, scales, biases, bits, gs, out)
@@ -388,23 +390,43 @@ class _MatmulPlan:
             self.run = lambda rows, out: kernels.matmul_dense(rows, dense, out)
 
 
-def _int8_x_matmul(w: AffineWeight) -> Callable[[np.ndarray, np.ndarray], None]:
+def _int8_x_matmul(parts: tuple[AffineWeight, ...]) -> Callable[[np.ndarray, np.ndarray], None]:
+    """Affine parts of one kind side by side on int8 x: x quantized once, one kernel call
+    (int8_matmul); groups that are not 32 * 2**k: kernels' reference twin, part by part."""
+    first = parts[0]
+    codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
+    biases, bits, group_size = tuple(p.biases for p in parts), first.bits, first.group_size
+    if int8_matmul.fits(bits, first.in_features, group_size):
+        return lambda rows, out: int8_matmul.matmul(rows, codes, scales, biases, bits, group_size, out)
+    bounds = np.cumsum([0] + [p.out_features for p in parts]).tolist()
+
     def run(rows: np.ndarray, out: np.ndarray) -> None:
         xq = np.empty(rows.shape, np.int8)
         xs = np.empty((rows.shape[0], 2 * rows.shape[1] // 32), np.float32)
-        kernels.quantize_rows_int8(rows, w.bits == 4, xq, xs)
-        kernels.matmul_affine_int8x(xq, xs, w.codes, w.scales, w.biases, w.bits, w.group_size, out)
+        kernels.quantize_rows_int8(rows, bits == 4, xq, xs)
+        for p, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True):
+            part_out = np.empty((rows.shape[0], hi - lo), np.float32)
+            kernels.matmul_affine_int8x(xq, xs, p.codes, p.scales, p.biases, bits, group_size, part_out)
+            out[:, lo:hi] = part_out
 
     return run
+
+
+def _same_kind(parts: tuple[Linear, ...]) -> bool:
+    first = parts[0]
+    return isinstance(first, AffineWeight) and all(
+        isinstance(p, AffineWeight)
+        and (p.bits, p.group_size, p.in_features) == (first.bits, first.group_size, first.in_features)
+        for p in parts)
 
 
 def _parts_matmul(w: LinearParts, int8_x: bool) -> Callable[[np.ndarray, np.ndarray], None]:
     """The parts side by side: one kernel call for affine parts of one kind (one parallel
     region over all their features), else part by part; the same bits either way."""
     first = w.parts[0]
-    if (isinstance(first, AffineWeight) and not int8_x
-            and all(isinstance(p, AffineWeight) and (p.bits, p.group_size, p.in_features)
-                    == (first.bits, first.group_size, first.in_features) for p in w.parts)
+    if int8_x and _same_kind(w.parts) and _int8_x_fits(first):
+        return _int8_x_matmul(w.parts)  # type: ignore[arg-type]
+    if (isinstance(first, AffineWeight) and _same_kind(w.parts)
             and kernels.affine_parts_fit(first.bits, first.group_size)):
         parts: list[AffineWeight] = list(w.parts)  # type: ignore[arg-type]
         codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
