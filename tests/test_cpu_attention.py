@@ -161,3 +161,69 @@ def test_transpose8_moves_8x8_blocks_exactly() -> None:
     _transpose_blocks(src, dst)
     assert np.array_equal(dst[:, :16], src.T)
     assert np.isnan(dst[:, 16:]).all()
+
+
+@njit(cache=False)
+def _scores_chains(q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b):
+    # the scalar chains _tile_scores keeps: fma over d ascending from 0, then * sm_scale
+    for j in range(num_keys):
+        a, b = np.float32(0.0), np.float32(0.0)
+        for d in range(keys_t.shape[0]):
+            a = kernels.fma32(q_a[d], keys_t[d, j], a)
+            b = kernels.fma32(q_b[d], keys_t[d, j], b)
+        out_a[j], out_b[j] = a * sm_scale, b * sm_scale
+
+
+@njit(cache=False)
+def _values_chains(p_a, p_b, values, num_keys, acc_a, acc_b):
+    # the scalar chains _tile_values keeps: fma over keys ascending into acc
+    for d in range(acc_a.shape[0]):
+        for j in range(num_keys):
+            acc_a[d] = kernels.fma32(p_a[j], values[j, d], acc_a[d])
+            acc_b[d] = kernels.fma32(p_b[j], values[j, d], acc_b[d])
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 30, 8, 3])
+def test_tile_kernels_keep_each_elements_chain(head_dim: int) -> None:
+    """scores_pair and values_pair (chains held in registers, 32 keys / dims a block, then 8,
+    then one by one) give the bits of the scalar chains, for every count of keys."""
+    rng = np.random.default_rng(head_dim)
+    keys_t = rng.standard_normal((head_dim, 128)).astype(np.float32)
+    values = rng.standard_normal((128, head_dim)).astype(np.float32)
+    q_a, q_b = rng.standard_normal((2, head_dim)).astype(np.float32)
+    probs = rng.random((2, 128)).astype(np.float32)
+    for num_keys in (0, 1, 7, 8, 9, 31, 32, 33, 100, 128):
+        got = np.full((2, 130), np.nan, np.float32)
+        want = np.full((2, 130), np.nan, np.float32)
+        kernels._tile_scores(q_a, q_b, keys_t, num_keys, np.float32(0.17), got[0], got[1])
+        _scores_chains(q_a, q_b, keys_t, num_keys, np.float32(0.17), want[0], want[1])
+        assert np.array_equal(got, want, equal_nan=True), ("scores", num_keys)
+        acc = rng.standard_normal((2, head_dim)).astype(np.float32)
+        acc_want = acc.copy()
+        kernels._tile_values(probs[0], probs[1], values, num_keys, acc[0], acc[1])
+        _values_chains(probs[0], probs[1], values, num_keys, acc_want[0], acc_want[1])
+        assert np.array_equal(acc, acc_want), ("values", num_keys)
+
+
+@pytest.mark.parametrize("page_size", [16, 5, 3])
+def test_bf16_keys_go_straight_into_the_transposed_tile(page_size: int) -> None:
+    """_load_keys_t on bf16 KV (8 keys at a time: converted and transposed by bf16_keys_t8,
+    slots walked page by page) equals the stored keys' float32, transposed, for any page size,
+    tile start and key count; an f32 arena takes the row-major path, same values."""
+    rng = np.random.default_rng(page_size)
+    num_pages = 200 // page_size + 2
+    pages = rng.permutation(num_pages).astype(np.int32)
+    for kv_dtype in ("bf16", "f32"):
+        kv = OPS.alloc_kv(1, num_pages * page_size, 2, 64, kv_dtype)
+        k = rng.standard_normal((num_pages * page_size, 2, 64)).astype(np.float32)
+        OPS.kv_write(kv, 0, k, k, np.arange(k.shape[0], dtype=np.int64), None)
+        stored = (kv[0, 0].astype(np.uint32) << 16).view(np.float32) if kv_dtype == "bf16" else kv[0, 0]
+        for first, num_keys in ((0, 128), (0, 13), (128, 67), (128, 8), (0, 1)):
+            keys_t = np.full((64, 128), np.nan, np.float32)
+            rows = np.empty((128, 64), np.float32)
+            kernels._load_keys_t(kv[0], np.float32(1.0), pages, first, num_keys, page_size, 1,
+                                 rows, keys_t)
+            pos = np.arange(first, first + num_keys)
+            slots = pages[pos // page_size].astype(np.int64) * page_size + pos % page_size
+            assert np.array_equal(keys_t[:, :num_keys], stored[slots, 1].T), (kv_dtype, first, num_keys)
+            assert np.isnan(keys_t[:, num_keys:]).all()

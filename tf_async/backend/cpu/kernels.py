@@ -305,6 +305,236 @@ def transpose8(typingctx, src, src_start, dst, dst_start):  # noqa: ARG001
     return types.void(src, src_start, dst, dst_start), codegen
 
 
+# ----------------------------------------------------------------------------- attention tiles
+# Two query vectors' scores over a K^T tile, and two probability rows' weighted values over a
+# V tile, with each output element's chain exactly as the scalar loops had it (scores: fma
+# over d ascending from 0, then * sm_scale; values: fma over keys ascending into acc), but
+# with the chains of 32 keys (scores) or 32 dims (values) held in registers across the loop
+# instead of stored and reloaded at every step.
+def _ptr(context, builder, ty, value):
+    return context.make_array(ty)(context, builder, value)
+
+
+def _vec_at(builder, base, index, count=8):
+    return builder.bitcast(builder.gep(base, [index]), ir.VectorType(ir.FloatType(), count).as_pointer())
+
+
+def _fma8(builder):
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V8_F32, [_V8_F32] * 3), "llvm.fma.v8f32")
+
+
+def _fma1(builder):
+    f = ir.FloatType()
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f] * 3), "llvm.fma.f32")
+
+
+def _splat8(builder, value):
+    return _splat(builder, value, _V8_F32)
+
+
+def _is_c(ty, ndim):
+    return (isinstance(ty, types.Array) and ty.dtype == types.float32 and ty.ndim == ndim
+            and ty.layout == "C")
+
+
+def _scores_block(builder, q_ptrs, keys, row, j0, width, head_dim, scale, outs):
+    """outs[v][j0 .. j0 + 8 * width) for `width` vectors of 8 keys: chains over d in registers."""
+    fma = _fma8(builder)
+    zero = ir.Constant(_V8_F32, [0.0] * 8)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(width)] for _ in q_ptrs]
+    with cgutils.for_range(builder, head_dim) as loop:
+        d = loop.index
+        ks = [builder.load(_vec_at(builder, keys, builder.add(builder.mul(d, row),
+                                                              builder.add(j0, ir.Constant(_I64, 8 * w)))),
+                           align=4) for w in range(width)]
+        for q, acc_row in zip(q_ptrs, accs, strict=True):
+            qd = _splat8(builder, builder.load(builder.gep(q, [d])))
+            for k, acc in zip(ks, acc_row, strict=True):
+                builder.store(builder.call(fma, [qd, k, builder.load(acc)]), acc)
+    for out, acc_row in zip(outs, accs, strict=True):
+        for w, acc in enumerate(acc_row):
+            at = builder.add(j0, ir.Constant(_I64, 8 * w))
+            builder.store(builder.fmul(builder.load(acc), _splat8(builder, scale)),
+                          _vec_at(builder, out, at), align=4)
+
+
+@intrinsic
+def scores_pair(typingctx, q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b):  # noqa: ARG001
+    """out_x[j] = (fma chain of q_x[d] * keys_t[d, j], d ascending from 0) * sm_scale, j <
+    num_keys, for two query vectors (1-D C float32) over a K^T tile (2-D C float32)."""
+    if not (_is_c(q_a, 1) and _is_c(q_b, 1) and _is_c(keys_t, 2) and _is_c(out_a, 1)
+            and _is_c(out_b, 1) and sm_scale == types.float32):
+        return None
+    sig = types.void(q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b)
+
+    def codegen(context, builder, sg, args):
+        qs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (0, 1)]
+        kt = _ptr(context, builder, sg.args[2], args[2])
+        head_dim, row = cgutils.unpack_tuple(builder, kt.shape)
+        n = context.cast(builder, args[3], sg.args[3], types.intp)
+        scale = args[4]
+        outs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (5, 6)]
+        for width in (4, 1):  # blocks of 32 keys, then of 8
+            step = ir.Constant(_I64, 8 * width)
+            done = builder.mul(builder.udiv(n, ir.Constant(_I64, 32)), ir.Constant(_I64, 32)) \
+                if width == 4 else builder.and_(n, ir.Constant(_I64, -8))
+            start = ir.Constant(_I64, 0) if width == 4 else \
+                builder.mul(builder.udiv(n, ir.Constant(_I64, 32)), ir.Constant(_I64, 32))
+            count = builder.udiv(builder.sub(done, start), step)
+            with cgutils.for_range(builder, count) as block:
+                j0 = builder.add(start, builder.mul(block.index, step))
+                _scores_block(builder, qs, kt.data, row, j0, width, head_dim, scale, outs)
+        fma = _fma1(builder)
+        with cgutils.for_range(builder, builder.sub(n, builder.and_(n, ir.Constant(_I64, -8)))) as tail:
+            j = builder.add(builder.and_(n, ir.Constant(_I64, -8)), tail.index)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0)) for _ in qs]
+            with cgutils.for_range(builder, head_dim) as loop:
+                k = builder.load(builder.gep(kt.data, [builder.add(builder.mul(loop.index, row), j)]))
+                for q, acc in zip(qs, accs, strict=True):
+                    qd = builder.load(builder.gep(q, [loop.index]))
+                    builder.store(builder.call(fma, [qd, k, builder.load(acc)]), acc)
+            for out, acc in zip(outs, accs, strict=True):
+                builder.store(builder.fmul(builder.load(acc), scale), builder.gep(out, [j]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _values_block(builder, p_ptrs, values, row, d0, width, n, accs_ptrs):
+    """accs[v][d0 .. d0 + 8 * width) += probs[v][j] * values[j, ...] for j < n, ascending."""
+    fma = _fma8(builder)
+    accs = [[cgutils.alloca_once_value(builder, builder.load(
+        _vec_at(builder, acc, builder.add(d0, ir.Constant(_I64, 8 * w))), align=4))
+        for w in range(width)] for acc in accs_ptrs]
+    with cgutils.for_range(builder, n) as loop:
+        j = loop.index
+        vs = [builder.load(_vec_at(builder, values, builder.add(builder.mul(j, row),
+                                                                builder.add(d0, ir.Constant(_I64, 8 * w)))),
+                           align=4) for w in range(width)]
+        for p, acc_row in zip(p_ptrs, accs, strict=True):
+            pj = _splat8(builder, builder.load(builder.gep(p, [j])))
+            for v, acc in zip(vs, acc_row, strict=True):
+                builder.store(builder.call(fma, [pj, v, builder.load(acc)]), acc)
+    for acc_ptr, acc_row in zip(accs_ptrs, accs, strict=True):
+        for w, acc in enumerate(acc_row):
+            at = builder.add(d0, ir.Constant(_I64, 8 * w))
+            builder.store(builder.load(acc), _vec_at(builder, acc_ptr, at), align=4)
+
+
+@intrinsic
+def values_pair(typingctx, probs_a, probs_b, values, num_keys, acc_a, acc_b):  # noqa: ARG001
+    """acc_x[d] = fma(probs_x[j], values[j, d], acc_x[d]) for j ascending < num_keys, for two
+    probability rows (1-D C float32) over a V tile (2-D C float32, rows >= num_keys)."""
+    if not (_is_c(probs_a, 1) and _is_c(probs_b, 1) and _is_c(values, 2) and _is_c(acc_a, 1)
+            and _is_c(acc_b, 1)):
+        return None
+    sig = types.void(probs_a, probs_b, values, num_keys, acc_a, acc_b)
+
+    def codegen(context, builder, sg, args):
+        ps = [_ptr(context, builder, sg.args[i], args[i]).data for i in (0, 1)]
+        vt = _ptr(context, builder, sg.args[2], args[2])
+        row = cgutils.unpack_tuple(builder, vt.shape)[1]
+        n = context.cast(builder, args[3], sg.args[3], types.intp)
+        accs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (4, 5)]
+        for width in (4, 1):  # blocks of 32 dims, then of 8
+            step = ir.Constant(_I64, 8 * width)
+            whole32 = builder.mul(builder.udiv(row, ir.Constant(_I64, 32)), ir.Constant(_I64, 32))
+            start = ir.Constant(_I64, 0) if width == 4 else whole32
+            done = whole32 if width == 4 else builder.and_(row, ir.Constant(_I64, -8))
+            with cgutils.for_range(builder, builder.udiv(builder.sub(done, start), step)) as block:
+                d0 = builder.add(start, builder.mul(block.index, step))
+                _values_block(builder, ps, vt.data, row, d0, width, n, accs)
+        fma = _fma1(builder)
+        first_tail = builder.and_(row, ir.Constant(_I64, -8))
+        with cgutils.for_range(builder, builder.sub(row, first_tail)) as tail:
+            d = builder.add(first_tail, tail.index)
+            with cgutils.for_range(builder, n) as loop:
+                v = builder.load(builder.gep(vt.data, [builder.add(builder.mul(loop.index, row), d)]))
+                for p, acc in zip(ps, accs, strict=True):
+                    slot = builder.gep(acc, [d])
+                    pj = builder.load(builder.gep(p, [loop.index]))
+                    builder.store(builder.call(fma, [pj, v, builder.load(slot)]), slot)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_row_to_f32(typingctx, kv_layer, kind, slot, kv_head, tile, i):  # noqa: ARG001
+    """tile[i, :] = float32 of the bf16 bits kv_layer[kind, slot, kv_head, :] (exact: the bits
+    moved up 16), 8 at a time. kv_layer 4-D C uint16, tile 2-D C float32 of width head_dim."""
+    if not (isinstance(kv_layer, types.Array) and kv_layer.dtype == types.uint16
+            and kv_layer.ndim == 4 and kv_layer.layout == "C" and _is_c(tile, 2)):
+        return None
+    sig = types.void(kv_layer, kind, slot, kv_head, tile, i)
+
+    def codegen(context, builder, sg, args):
+        kv = _ptr(context, builder, sg.args[0], args[0])
+        _, num_slots, nkv, head_dim = cgutils.unpack_tuple(builder, kv.shape)
+        kind_, slot_, head_, row = (context.cast(builder, args[k], sg.args[k], types.intp)
+                                    for k in (1, 2, 3, 5))
+        t = _ptr(context, builder, sg.args[4], args[4])
+        src = builder.gep(kv.data, [builder.mul(builder.add(builder.mul(builder.add(
+            builder.mul(kind_, num_slots), slot_), nkv), head_), head_dim)])
+        dst = builder.gep(t.data, [builder.mul(row, head_dim)])
+        v8i16, v8i32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(_I32, 8)
+        whole = builder.and_(head_dim, ir.Constant(_I64, -8))
+        with cgutils.for_range(builder, builder.lshr(whole, ir.Constant(_I64, 3))) as loop:
+            d = builder.shl(loop.index, ir.Constant(_I64, 3))
+            h = builder.load(builder.bitcast(builder.gep(src, [d]), v8i16.as_pointer()), align=2)
+            bits = builder.shl(builder.zext(h, v8i32), ir.Constant(v8i32, [16] * 8))
+            builder.store(builder.bitcast(bits, _V8_F32), _vec_at(builder, dst, d), align=4)
+        with cgutils.for_range(builder, builder.sub(head_dim, whole)) as loop:
+            d = builder.add(whole, loop.index)
+            bits = builder.shl(builder.zext(builder.load(builder.gep(src, [d])), _I32),
+                               ir.Constant(_I32, 16))
+            builder.store(builder.bitcast(bits, ir.FloatType()), builder.gep(dst, [d]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_keys_t8(typingctx, kv_layer, kind, slots, kv_head, keys_t, j0):  # noqa: ARG001
+    """keys_t[d, j0 + k] = float32 of kv_layer[kind, slots[k], kv_head, d] for k < 8 and every
+    d (head_dim % 8 == 0): 8 stored rows converted (bits moved up 16: exact) and transposed by
+    8x8 shuffle blocks, without a row-major float copy in between."""
+    if not (isinstance(kv_layer, types.Array) and kv_layer.dtype == types.uint16
+            and kv_layer.ndim == 4 and kv_layer.layout == "C" and _is_c(keys_t, 2)
+            and isinstance(slots, types.Array) and slots.dtype == types.int64):
+        return None
+    sig = types.void(kv_layer, kind, slots, kv_head, keys_t, j0)
+
+    def codegen(context, builder, sg, args):
+        kv = _ptr(context, builder, sg.args[0], args[0])
+        _, num_slots, nkv, head_dim = cgutils.unpack_tuple(builder, kv.shape)
+        kind_, head_, col = (context.cast(builder, args[k], sg.args[k], types.intp) for k in (1, 3, 5))
+        slot_data = _ptr(context, builder, sg.args[2], args[2]).data
+        kt = _ptr(context, builder, sg.args[4], args[4])
+        row = cgutils.unpack_tuple(builder, kt.shape)[1]
+        v8i16, v8i32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(_I32, 8)
+        starts = []
+        for k in range(8):
+            slot = builder.load(builder.gep(slot_data, [ir.Constant(_I64, k)]))
+            at = builder.mul(builder.add(builder.mul(builder.add(builder.mul(kind_, num_slots), slot),
+                                                     nkv), head_), head_dim)
+            starts.append(builder.gep(kv.data, [at]))
+        with cgutils.for_range(builder, builder.lshr(head_dim, ir.Constant(_I64, 3))) as loop:
+            d0 = builder.shl(loop.index, ir.Constant(_I64, 3))
+            rows = []
+            for start in starts:
+                h = builder.load(builder.bitcast(builder.gep(start, [d0]), v8i16.as_pointer()), align=2)
+                bits = builder.shl(builder.zext(h, v8i32), ir.Constant(v8i32, [16] * 8))
+                rows.append(builder.bitcast(bits, _V8_F32))
+            for k, column in enumerate(_transpose8_ir(builder, rows)):
+                at = builder.add(builder.mul(builder.add(d0, ir.Constant(_I64, k)), row), col)
+                builder.store(column, _vec_at(builder, kt.data, at), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ----------------------------------------------------------------------------- conversions
 def _e4m3_table() -> np.ndarray:
     codes = np.arange(256)
@@ -958,73 +1188,101 @@ def _row_blocks(row_seq):
 def _load_tile(kv_layer, kind, scale, pages, first, num_keys, page_size, kv_head, tile):
     # tile[i] = float32 K (kind 0) or V (kind 1) of position first + i, i < num_keys: each
     # stored element is converted once per (row block, kv head).
+    page, offset = first // page_size, first % page_size  # of the next key (no division a key)
     for i in range(num_keys):
-        pos = first + i
-        slot = np.int64(pages[pos // page_size]) * page_size + pos % page_size
+        _load_row(kv_layer, kind, np.int64(pages[page]) * page_size + offset, kv_head, scale, tile, i)
+        offset += 1
+        if offset == page_size:
+            page, offset = page + 1, 0
+
+
+def _load_row(kv_layer, kind, slot, kv_head, scale, tile, i):
+    """tile[i] = float32 of the stored row kv_layer[kind, slot, kv_head] (dispatch on dtype)."""
+
+
+@overload(_load_row, jit_options={"nogil": True, "error_model": "numpy"})
+def _load_row_impl(kv_layer, kind, slot, kv_head, scale, tile, i):
+    if kv_layer.dtype == types.uint16 and kv_layer.layout == "C":
+        return lambda kv_layer, kind, slot, kv_head, scale, tile, i: bf16_row_to_f32(
+            kv_layer, kind, slot, kv_head, tile, i)
+
+    def convert(kv_layer, kind, slot, kv_head, scale, tile, i):
         src = kv_layer[kind, slot, kv_head]
         for d in range(tile.shape[1]):
             tile[i, d] = _kv_load(src[d], scale)
 
+    return convert
+
 
 @njit(**_JIT)
 def _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, kv_head, rows, keys_t):
-    # keys_t [hd, keys] = K of positions first.. : converted row-major into rows [keys, hd],
-    # then moved by 8x8 shuffle blocks (scalar copies for the tails)
-    _load_tile(kv_layer, 0, k_scale, pages, first, num_keys, page_size, kv_head, rows)
+    # keys_t [hd, keys] = K of positions first.. : bf16 8 keys at a time straight into place
+    # (bf16_keys_t8); else converted row-major into rows [keys, hd], then moved by 8x8 shuffle
+    # blocks (scalar copies for the tails)
     head_dim = keys_t.shape[0]
-    full_keys, full_dims = num_keys - num_keys % 8, head_dim - head_dim % 8
+    done = 0
+    if _direct_keys_t(kv_layer) and head_dim % 8 == 0:
+        slots = np.empty(8, np.int64)
+        done = num_keys - num_keys % 8
+        page, offset = first // page_size, first % page_size  # of the next key (no division a key)
+        for j0 in range(0, done, 8):
+            for k in range(8):
+                slots[k] = np.int64(pages[page]) * page_size + offset
+                offset += 1
+                if offset == page_size:
+                    page, offset = page + 1, 0
+            _keys_t8(kv_layer, slots, kv_head, keys_t, j0)
+        if done == num_keys:
+            return
+    _load_tile(kv_layer, 0, k_scale, pages, first + done, num_keys - done, page_size, kv_head, rows)
+    rest = num_keys - done
+    full_keys, full_dims = rest - rest % 8, head_dim - head_dim % 8
     for i in range(0, full_keys, 8):
         for d in range(0, full_dims, 8):
-            transpose8(rows, i * head_dim + d, keys_t, d * keys_t.shape[1] + i)
-    for i in range(full_keys, num_keys):
+            transpose8(rows, i * head_dim + d, keys_t, d * keys_t.shape[1] + done + i)
+    for i in range(full_keys, rest):
         for d in range(head_dim):
-            keys_t[d, i] = rows[i, d]
+            keys_t[d, done + i] = rows[i, d]
     for d in range(full_dims, head_dim):
         for i in range(full_keys):
-            keys_t[d, i] = rows[i, d]
+            keys_t[d, done + i] = rows[i, d]
+
+
+def _direct_keys_t(kv_layer):
+    """Whether bf16_keys_t8 takes this KV layer (bf16 bits, C layout)."""
+
+
+def _keys_t8(kv_layer, slots, kv_head, keys_t, j0):
+    """bf16_keys_t8 of K where _direct_keys_t, else nothing (a branch never taken)."""
+
+
+@overload(_keys_t8, jit_options={"nogil": True, "error_model": "numpy"})
+def _keys_t8_impl(kv_layer, slots, kv_head, keys_t, j0):
+    if kv_layer.dtype == types.uint16 and kv_layer.layout == "C" and kv_layer.ndim == 4:
+        return lambda kv_layer, slots, kv_head, keys_t, j0: bf16_keys_t8(kv_layer, 0, slots, kv_head,
+                                                                         keys_t, j0)
+    return lambda kv_layer, slots, kv_head, keys_t, j0: None
+
+
+@overload(_direct_keys_t, jit_options={"nogil": True, "error_model": "numpy"})
+def _direct_keys_t_impl(kv_layer):
+    takes = kv_layer.dtype == types.uint16 and kv_layer.layout == "C" and kv_layer.ndim == 4
+    return lambda kv_layer: takes
 
 
 @njit(**_JIT)
 def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
     # scores_x[j] = (fma chain of q_x[d] * K[j, d], d ascending) * sm_scale for two query
-    # vectors sharing each key load. The loops run across keys (vectorised without
-    # reassociation): a key's order is fixed by head_dim alone.
-    head_dim = keys_t.shape[0]
-    scores_a[:num_keys] = 0
-    scores_b[:num_keys] = 0
-    for d in range(0, head_dim - head_dim % 4, 4):
-        a0, a1, a2, a3 = q_a[d], q_a[d + 1], q_a[d + 2], q_a[d + 3]
-        b0, b1, b2, b3 = q_b[d], q_b[d + 1], q_b[d + 2], q_b[d + 3]
-        for j in range(num_keys):
-            k0, k1, k2, k3 = keys_t[d, j], keys_t[d + 1, j], keys_t[d + 2, j], keys_t[d + 3, j]
-            sa, sb = scores_a[j], scores_b[j]
-            scores_a[j] = fma32(a3, k3, fma32(a2, k2, fma32(a1, k1, fma32(a0, k0, sa))))
-            scores_b[j] = fma32(b3, k3, fma32(b2, k2, fma32(b1, k1, fma32(b0, k0, sb))))
-    for d in range(head_dim - head_dim % 4, head_dim):
-        for j in range(num_keys):
-            scores_a[j] = fma32(q_a[d], keys_t[d, j], scores_a[j])
-            scores_b[j] = fma32(q_b[d], keys_t[d, j], scores_b[j])
-    for j in range(num_keys):
-        scores_a[j] = scores_a[j] * sm_scale
-        scores_b[j] = scores_b[j] * sm_scale
+    # vectors sharing each key load (scores_pair: chains across keys, a key's order fixed by
+    # head_dim alone)
+    scores_pair(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b)
 
 
 @njit(**_JIT)
 def _tile_values(probs_a, probs_b, values, num_keys, acc_a, acc_b):
     # acc_x[d] = fma(probs_x[j], V[j, d], acc_x[d]) for j ascending: two vectors sharing each
-    # value load, four keys per pass over the accumulators
-    for j in range(0, num_keys - num_keys % 4, 4):
-        a0, a1, a2, a3 = probs_a[j], probs_a[j + 1], probs_a[j + 2], probs_a[j + 3]
-        b0, b1, b2, b3 = probs_b[j], probs_b[j + 1], probs_b[j + 2], probs_b[j + 3]
-        for d in range(acc_a.shape[0]):
-            v0, v1, v2, v3 = values[j, d], values[j + 1, d], values[j + 2, d], values[j + 3, d]
-            xa, xb = acc_a[d], acc_b[d]
-            acc_a[d] = fma32(a3, v3, fma32(a2, v2, fma32(a1, v1, fma32(a0, v0, xa))))
-            acc_b[d] = fma32(b3, v3, fma32(b2, v2, fma32(b1, v1, fma32(b0, v0, xb))))
-    for j in range(num_keys - num_keys % 4, num_keys):
-        for d in range(acc_a.shape[0]):
-            acc_a[d] = fma32(probs_a[j], values[j, d], acc_a[d])
-            acc_b[d] = fma32(probs_b[j], values[j, d], acc_b[d])
+    # value load (values_pair)
+    values_pair(probs_a, probs_b, values, num_keys, acc_a, acc_b)
 
 
 @njit(**_JIT)
