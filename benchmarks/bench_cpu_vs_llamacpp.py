@@ -2,6 +2,8 @@
 (llama-cpp-python, same GGUF, same thread count) vs transformers (where installed), side by side.
 
 Usage: python benchmarks/bench_cpu_vs_llamacpp.py [--threads 2] [--repeats 5] [--decode 64] [--prefill 256]
+       [--decode-after-prompt] [--no-transformers] [--kv-dtype f32|bf16|fp8]
+Decode runs after a 16-token prompt, or after the whole prompt with --decode-after-prompt.
 Each figure is the median of `repeats` runs; the engines alternate inside every repeat, and each
 run is a fresh process so that one library's thread pool never competes with another's.
 """
@@ -24,18 +26,19 @@ def _ctx(ids: list[int], decode: int) -> int:
     return max(2048, len(ids) + decode + 64)
 
 
-def bench_tf_async(path: str, ids: list[int], decode: int) -> tuple[float, float]:
+def bench_tf_async(path: str, ids: list[int], decode: int, context: int, kv_dtype: str) -> tuple[float, float]:
     from tf_async import Engine
 
     async def run() -> tuple[float, float]:
-        async with Engine(path, device="cpu", parallel=1, ctx=_ctx(ids, decode), step_tokens=512) as eng:
+        async with Engine(path, device="cpu", parallel=1, ctx=_ctx(ids, decode), step_tokens=512,
+                          kv_dtype=kv_dtype) as eng:
             await eng.complete(ids[:8], max_tokens=2)  # warm-up / compile
             t0 = time.perf_counter()
             await eng.complete(ids, max_tokens=1)
             prefill = len(ids) / (time.perf_counter() - t0)
             first = None
             n = 0
-            async for d in eng.stream(ids[:16], max_tokens=decode, ignore_eos=True):
+            async for d in eng.stream(ids[:context], max_tokens=decode, ignore_eos=True):
                 n += len(d.token_ids)
                 if first is None:
                     first = time.perf_counter()
@@ -44,7 +47,7 @@ def bench_tf_async(path: str, ids: list[int], decode: int) -> tuple[float, float
     return asyncio.run(run())
 
 
-def bench_llama_cpp(path: str, ids: list[int], decode: int, threads: int) -> tuple[float, float]:
+def bench_llama_cpp(path: str, ids: list[int], decode: int, threads: int, context: int) -> tuple[float, float]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=_ctx(ids, decode),
@@ -54,7 +57,7 @@ def bench_llama_cpp(path: str, ids: list[int], decode: int, threads: int) -> tup
     llm.eval(ids)
     prefill = len(ids) / (time.perf_counter() - t0)
     llm.reset()
-    llm.eval(ids[:16])
+    llm.eval(ids[:context])
     t0 = time.perf_counter()
     for _ in range(decode - 1):
         tok = llm.sample(temp=0.0)
@@ -107,6 +110,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--decode-after-prompt", action="store_true", help="decode after the whole prompt")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--kv-dtype", default="f32", help="tf_async's KV (llama.cpp keeps its f16 KV)")
     args = ap.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", str(args.threads))
     from tf_async.models.default import default_model_path
@@ -115,20 +121,23 @@ def main() -> None:
     path = default_model_path()
     ids = load_checkpoint(path).tokenizer.encode(TEXT)[: args.prefill]
     results: dict[str, list[tuple[float, float]]] = {"tf_async": [], "llama.cpp": [], "transformers": []}
+    context = len(ids) if args.decode_after_prompt else 16
     ctx = multiprocessing.get_context("spawn")
     for _ in range(args.repeats):
         with ctx.Pool(1) as pool:
-            results["tf_async"].append(pool.apply(bench_tf_async, (path, ids, args.decode)))
+            results["tf_async"].append(pool.apply(bench_tf_async, (path, ids, args.decode, context, args.kv_dtype)))
         with ctx.Pool(1) as pool:
-            results["llama.cpp"].append(pool.apply(bench_llama_cpp, (path, ids, args.decode, args.threads)))
+            results["llama.cpp"].append(pool.apply(bench_llama_cpp, (path, ids, args.decode, args.threads, context)))
+        if args.no_transformers:
+            continue
         with ctx.Pool(1) as pool:
             hf = pool.apply(bench_transformers, (path, ids, args.decode, args.threads))
         if hf:
             results["transformers"].append(hf)
     base = statistics.median(d for _, d in results["llama.cpp"])
     base_prefill = statistics.median(p for p, _ in results["llama.cpp"])
-    print(f"default model, {args.threads} threads, prefill {len(ids)} tokens, decode {args.decode} tokens, "
-          f"median of {args.repeats}")
+    print(f"default model, {args.threads} threads, prefill {len(ids)} tokens, decode {args.decode} tokens "
+          f"after {context}, tf_async KV {args.kv_dtype}, median of {args.repeats}")
     print(f"{'engine':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill vs llama.cpp':>21} "
           f"{'decode vs llama.cpp':>20}")
     for name, runs in results.items():

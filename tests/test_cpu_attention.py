@@ -206,24 +206,30 @@ def test_tile_kernels_keep_each_elements_chain(head_dim: int) -> None:
 
 
 @pytest.mark.parametrize("page_size", [16, 5, 3])
-def test_bf16_keys_go_straight_into_the_transposed_tile(page_size: int) -> None:
-    """_load_keys_t on bf16 KV (8 keys at a time: converted and transposed by bf16_keys_t8,
-    slots walked page by page) equals the stored keys' float32, transposed, for any page size,
-    tile start and key count; an f32 arena takes the row-major path, same values."""
+def test_keys_go_straight_into_the_transposed_tile(page_size: int) -> None:
+    """_load_keys_t on f32 and bf16 KV (8 keys at a time: loaded, converted and transposed by
+    keys_t8, slots walked page by page) equals the stored keys' float32, transposed, for any
+    page size, tile start and key count; fp8 takes the row-major path (_load_tile), same
+    values as that path."""
     rng = np.random.default_rng(page_size)
     num_pages = 200 // page_size + 2
     pages = rng.permutation(num_pages).astype(np.int32)
-    for kv_dtype in ("bf16", "f32"):
+    for kv_dtype in ("bf16", "f32", "fp8"):
         kv = OPS.alloc_kv(1, num_pages * page_size, 2, 64, kv_dtype)
         k = rng.standard_normal((num_pages * page_size, 2, 64)).astype(np.float32)
-        OPS.kv_write(kv, 0, k, k, np.arange(k.shape[0], dtype=np.int64), None)
-        stored = (kv[0, 0].astype(np.uint32) << 16).view(np.float32) if kv_dtype == "bf16" else kv[0, 0]
+        scales = np.array([[0.05, 0.05]], np.float32) if kv_dtype == "fp8" else None
+        OPS.kv_write(kv, 0, k, k, np.arange(k.shape[0], dtype=np.int64), scales)
+        scale = np.float32(0.05 if kv_dtype == "fp8" else 1.0)
         for first, num_keys in ((0, 128), (0, 13), (128, 67), (128, 8), (0, 1)):
             keys_t = np.full((64, 128), np.nan, np.float32)
             rows = np.empty((128, 64), np.float32)
-            kernels._load_keys_t(kv[0], np.float32(1.0), pages, first, num_keys, page_size, 1,
-                                 rows, keys_t)
-            pos = np.arange(first, first + num_keys)
-            slots = pages[pos // page_size].astype(np.int64) * page_size + pos % page_size
-            assert np.array_equal(keys_t[:, :num_keys], stored[slots, 1].T), (kv_dtype, first, num_keys)
+            kernels._load_keys_t(kv[0], scale, pages, first, num_keys, page_size, 1, rows, keys_t)
+            tile = np.full((128, 64), np.nan, np.float32)
+            kernels._load_tile(kv[0], 0, scale, pages, first, num_keys, page_size, 1, tile)
+            assert np.array_equal(keys_t[:, :num_keys], tile[:num_keys].T), (kv_dtype, first, num_keys)
             assert np.isnan(keys_t[:, num_keys:]).all()
+            if kv_dtype != "fp8":
+                pos = np.arange(first, first + num_keys)
+                slots = pages[pos // page_size].astype(np.int64) * page_size + pos % page_size
+                stored = (kv[0, 0].astype(np.uint32) << 16).view(np.float32) if kv_dtype == "bf16" else kv[0, 0]
+                assert np.array_equal(tile[:num_keys], stored[slots, 1])

@@ -496,11 +496,11 @@ def bf16_row_to_f32(typingctx, kv_layer, kind, slot, kv_head, tile, i):  # noqa:
 
 
 @intrinsic
-def bf16_keys_t8(typingctx, kv_layer, kind, slots, kv_head, keys_t, j0):  # noqa: ARG001
+def keys_t8(typingctx, kv_layer, kind, slots, kv_head, keys_t, j0):  # noqa: ARG001
     """keys_t[d, j0 + k] = float32 of kv_layer[kind, slots[k], kv_head, d] for k < 8 and every
-    d (head_dim % 8 == 0): 8 stored rows converted (bits moved up 16: exact) and transposed by
+    d (head_dim % 8 == 0): 8 stored rows (f32, or bf16 bits moved up 16: exact) transposed by
     8x8 shuffle blocks, without a row-major float copy in between."""
-    if not (isinstance(kv_layer, types.Array) and kv_layer.dtype == types.uint16
+    if not (isinstance(kv_layer, types.Array) and kv_layer.dtype in (types.uint16, types.float32)
             and kv_layer.ndim == 4 and kv_layer.layout == "C" and _is_c(keys_t, 2)
             and isinstance(slots, types.Array) and slots.dtype == types.int64):
         return None
@@ -514,6 +514,7 @@ def bf16_keys_t8(typingctx, kv_layer, kind, slots, kv_head, keys_t, j0):  # noqa
         kt = _ptr(context, builder, sg.args[4], args[4])
         row = cgutils.unpack_tuple(builder, kt.shape)[1]
         v8i16, v8i32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(_I32, 8)
+        bf16 = sg.args[0].dtype == types.uint16
         starts = []
         for k in range(8):
             slot = builder.load(builder.gep(slot_data, [ir.Constant(_I64, k)]))
@@ -524,6 +525,9 @@ def bf16_keys_t8(typingctx, kv_layer, kind, slots, kv_head, keys_t, j0):  # noqa
             d0 = builder.shl(loop.index, ir.Constant(_I64, 3))
             rows = []
             for start in starts:
+                if not bf16:
+                    rows.append(builder.load(_vec_at(builder, start, d0), align=4))
+                    continue
                 h = builder.load(builder.bitcast(builder.gep(start, [d0]), v8i16.as_pointer()), align=2)
                 bits = builder.shl(builder.zext(h, v8i32), ir.Constant(v8i32, [16] * 8))
                 rows.append(builder.bitcast(bits, _V8_F32))
@@ -1216,8 +1220,8 @@ def _load_row_impl(kv_layer, kind, slot, kv_head, scale, tile, i):
 
 @njit(**_JIT)
 def _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, kv_head, rows, keys_t):
-    # keys_t [hd, keys] = K of positions first.. : bf16 8 keys at a time straight into place
-    # (bf16_keys_t8); else converted row-major into rows [keys, hd], then moved by 8x8 shuffle
+    # keys_t [hd, keys] = K of positions first.. : f32 / bf16 8 keys at a time straight into
+    # place (keys_t8); else converted row-major into rows [keys, hd], then moved by 8x8 shuffle
     # blocks (scalar copies for the tails)
     head_dim = keys_t.shape[0]
     done = 0
@@ -1249,24 +1253,29 @@ def _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, kv_head, 
 
 
 def _direct_keys_t(kv_layer):
-    """Whether bf16_keys_t8 takes this KV layer (bf16 bits, C layout)."""
+    """Whether keys_t8 takes this KV layer (f32 or bf16 bits, C layout)."""
 
 
 def _keys_t8(kv_layer, slots, kv_head, keys_t, j0):
-    """bf16_keys_t8 of K where _direct_keys_t, else nothing (a branch never taken)."""
+    """keys_t8 of K where _direct_keys_t, else nothing (a branch never taken)."""
+
+
+def _takes_keys_t8(kv_layer):
+    return (kv_layer.dtype in (types.uint16, types.float32) and kv_layer.layout == "C"
+            and kv_layer.ndim == 4)
 
 
 @overload(_keys_t8, jit_options={"nogil": True, "error_model": "numpy"})
 def _keys_t8_impl(kv_layer, slots, kv_head, keys_t, j0):
-    if kv_layer.dtype == types.uint16 and kv_layer.layout == "C" and kv_layer.ndim == 4:
-        return lambda kv_layer, slots, kv_head, keys_t, j0: bf16_keys_t8(kv_layer, 0, slots, kv_head,
-                                                                         keys_t, j0)
+    if _takes_keys_t8(kv_layer):
+        return lambda kv_layer, slots, kv_head, keys_t, j0: keys_t8(kv_layer, 0, slots, kv_head,
+                                                                    keys_t, j0)
     return lambda kv_layer, slots, kv_head, keys_t, j0: None
 
 
 @overload(_direct_keys_t, jit_options={"nogil": True, "error_model": "numpy"})
 def _direct_keys_t_impl(kv_layer):
-    takes = kv_layer.dtype == types.uint16 and kv_layer.layout == "C" and kv_layer.ndim == 4
+    takes = _takes_keys_t8(kv_layer)
     return lambda kv_layer: takes
 
 
