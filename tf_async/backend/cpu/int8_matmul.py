@@ -55,7 +55,7 @@ AVX2 = _host_has_avx2()
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _F = ir.FloatType()
-_V8I32, _V8F32, _V16F32 = ir.VectorType(_I32, 8), ir.VectorType(_F, 8), ir.VectorType(_F, 16)
+_V8I32, _V8F32 = ir.VectorType(_I32, 8), ir.VectorType(_F, 8)
 _V16I8, _V32I8, _V16I16 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
 _ACC = ir.ArrayType(_V8F32, 4)  # a row's 32 float lanes
 
@@ -70,11 +70,6 @@ def _fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Fun
 
 def _shuffle(b: ir.IRBuilder, x: ir.Value, y: ir.Value, picks: list[int]) -> ir.Value:
     return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(picks)), picks))
-
-
-def _splat(b: ir.IRBuilder, value: ir.Value, vector_type: ir.VectorType) -> ir.Value:
-    one = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
-    return _shuffle(b, one, ir.Constant(vector_type, ir.Undefined), [0] * vector_type.count)
 
 
 # ----------------------------------------------------------------------------- integer part
@@ -435,12 +430,20 @@ dot_u8_rows1_g, dot_u8_rows4_g = _dot_q8(8, 1, False), _dot_q8(8, 4, False)
 
 
 # ----------------------------------------------------------------------------- jitted
+# x layouts of _quantize: the GPU's (kernels.matmul_affine_int8x, cuda_kernels/qdot.py), 4-bit
+# order or natural, xs (d, d * sum) interleaved; this file's (matmul), 4-bit or 8-bit.
+_GPU_Q4, _GPU_NATURAL, _OWN_U4, _OWN_U8 = 0, 1, 2, 3
+
+
 @njit(**_JIT)
-def _x_position(bits, chunks, c, j):
-    """Byte of element j of chunk c in a quantized row: 8-bit, natural; 4-bit, chunks in
-    pairs (2p, 2p + 1) of 64 bytes: the even elements of 2p, of 2p + 1, then the odd ones of
-    2p, of 2p + 1 (a lone last chunk: its even elements, then its odd ones)."""
-    if bits != 4:
+def _x_position(layout, chunks, c, j):
+    """Byte of element j of chunk c in a quantized row. GPU 4-bit: per 8 elements the 4 even
+    then the 4 odd (cuda_kernels.qdot.x_position); this file's 4-bit: chunks in pairs (2p,
+    2p + 1) of 64 bytes, the even elements of 2p, of 2p + 1, then the odd ones of 2p, of
+    2p + 1 (a lone last chunk: its even elements, then its odd ones); else natural."""
+    if layout == _GPU_Q4:
+        return c * CHUNK + (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
+    if layout != _OWN_U4:
         return c * CHUNK + j
     if c == chunks - 1 and chunks % 2 == 1:
         return c * CHUNK + (j % 2) * 16 + j // 2
@@ -448,10 +451,11 @@ def _x_position(bits, chunks, c, j):
 
 
 @njit(**_JIT)
-def quantize_rows(x, bits, xq, xs):
-    """x [rows, K] f32 -> xq [rows, K] int8 and xs [rows, 3K/32] f32 (this file's layout) with
-    kernels.quantize_rows_int8's values: d = amax / 127, q = nearest(x * 127 / amax), ties
-    to even; xs: the chunks' d, then d * sum(q), then sum(q)."""
+def _quantize(x, layout, xq, xs):
+    """x [rows, K] f32 -> xq [rows, K] int8 per chunk of 32: d = amax / 127, q = the nearest
+    integer to the exact x * (127 / amax), ties to even (a zero chunk: d = 0, q = 0), bytes at
+    _x_position; xs: GPU layouts (d, d * sum(q)) per chunk [rows, 2K/32], this file's the
+    chunks' d, then d * sum(q), then sum(q) [rows, 3K/32]."""
     chunks = x.shape[1] // CHUNK
     for r in range(x.shape[0]):
         for c in range(chunks):
@@ -466,11 +470,26 @@ def quantize_rows(x, bits, xq, xs):
                 t = np.float64(x[r, base + j]) * np.float64(inv)  # exact; then nearest, ties even
                 q = _F32((t + 6755399441055744.0) - 6755399441055744.0)
                 q = min(max(q, _F32(-127.0)), _F32(127.0))
-                xq[r, _x_position(bits, chunks, c, j)] = np.int8(q)
+                xq[r, _x_position(layout, chunks, c, j)] = np.int8(q)
                 total += q
-            xs[r, c] = d
-            xs[r, chunks + c] = d * total
-            xs[r, 2 * chunks + c] = total
+            if layout == _GPU_Q4 or layout == _GPU_NATURAL:
+                xs[r, 2 * c], xs[r, 2 * c + 1] = d, d * total
+            else:
+                xs[r, c], xs[r, chunks + c], xs[r, 2 * chunks + c] = d, d * total, total
+
+
+@njit(**_JIT)
+def quantize_rows_int8(x, q4_order, xq, xs):
+    """x [rows, K] f32 -> xq [rows, K] int8 (chunks of 32, in kernels.int8_x_position order)
+    and xs [rows, 2K/32] f32: (d, d * sum(xi)) per chunk: the x of kernels'
+    matmul_affine_int8x and of the GPU's qdot (also reachable as kernels.quantize_rows_int8)."""
+    _quantize(x, _GPU_Q4 if q4_order else _GPU_NATURAL, xq, xs)
+
+
+@njit(**_JIT)
+def quantize_rows(x, bits, xq, xs):
+    """The same values as quantize_rows_int8 in this file's layout (matmul's x)."""
+    _quantize(x, _OWN_U4 if bits == 4 else _OWN_U8, xq, xs)
 
 
 @njit(**_JIT)

@@ -21,6 +21,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .int8_matmul import quantize_rows_int8  # noqa: F401  (the twin's x; called from Python)
+
 _F32 = np.float32
 # IEEE division (no ZeroDivisionError branch, which would stop loops from vectorising)
 _JIT: dict[str, Any] = {"nogil": True, "cache": True, "error_model": "numpy"}
@@ -338,6 +340,18 @@ def _is_c(ty, ndim):
             and ty.layout == "C")
 
 
+def _for_blocks(builder, n, emit):
+    """emit(start, width) over [0, n - n % 8): blocks of 32 (width 4: four 8-lane vectors), then
+    of 8 (width 1); returns n - n % 8, where the one-by-one tail starts."""
+    whole32 = builder.and_(n, ir.Constant(_I64, -32))
+    whole8 = builder.and_(n, ir.Constant(_I64, -8))
+    for width, start, done in ((4, ir.Constant(_I64, 0), whole32), (1, whole32, whole8)):
+        step = ir.Constant(_I64, 8 * width)
+        with cgutils.for_range(builder, builder.udiv(builder.sub(done, start), step)) as block:
+            emit(builder.add(start, builder.mul(block.index, step)), width)
+    return whole8
+
+
 def _scores_block(builder, q_ptrs, keys, row, j0, width, head_dim, scale, outs):
     """outs[v][j0 .. j0 + 8 * width) for `width` vectors of 8 keys: chains over d in registers."""
     fma = _fma8(builder)
@@ -375,19 +389,11 @@ def scores_pair(typingctx, q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b): 
         n = context.cast(builder, args[3], sg.args[3], types.intp)
         scale = args[4]
         outs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (5, 6)]
-        for width in (4, 1):  # blocks of 32 keys, then of 8
-            step = ir.Constant(_I64, 8 * width)
-            done = builder.mul(builder.udiv(n, ir.Constant(_I64, 32)), ir.Constant(_I64, 32)) \
-                if width == 4 else builder.and_(n, ir.Constant(_I64, -8))
-            start = ir.Constant(_I64, 0) if width == 4 else \
-                builder.mul(builder.udiv(n, ir.Constant(_I64, 32)), ir.Constant(_I64, 32))
-            count = builder.udiv(builder.sub(done, start), step)
-            with cgutils.for_range(builder, count) as block:
-                j0 = builder.add(start, builder.mul(block.index, step))
-                _scores_block(builder, qs, kt.data, row, j0, width, head_dim, scale, outs)
+        first_tail = _for_blocks(builder, n, lambda j0, width: _scores_block(
+            builder, qs, kt.data, row, j0, width, head_dim, scale, outs))
         fma = _fma1(builder)
-        with cgutils.for_range(builder, builder.sub(n, builder.and_(n, ir.Constant(_I64, -8)))) as tail:
-            j = builder.add(builder.and_(n, ir.Constant(_I64, -8)), tail.index)
+        with cgutils.for_range(builder, builder.sub(n, first_tail)) as tail:
+            j = builder.add(first_tail, tail.index)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0)) for _ in qs]
             with cgutils.for_range(builder, head_dim) as loop:
                 k = builder.load(builder.gep(kt.data, [builder.add(builder.mul(loop.index, row), j)]))
@@ -437,16 +443,9 @@ def values_pair(typingctx, probs_a, probs_b, values, num_keys, acc_a, acc_b):  #
         row = cgutils.unpack_tuple(builder, vt.shape)[1]
         n = context.cast(builder, args[3], sg.args[3], types.intp)
         accs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (4, 5)]
-        for width in (4, 1):  # blocks of 32 dims, then of 8
-            step = ir.Constant(_I64, 8 * width)
-            whole32 = builder.mul(builder.udiv(row, ir.Constant(_I64, 32)), ir.Constant(_I64, 32))
-            start = ir.Constant(_I64, 0) if width == 4 else whole32
-            done = whole32 if width == 4 else builder.and_(row, ir.Constant(_I64, -8))
-            with cgutils.for_range(builder, builder.udiv(builder.sub(done, start), step)) as block:
-                d0 = builder.add(start, builder.mul(block.index, step))
-                _values_block(builder, ps, vt.data, row, d0, width, n, accs)
+        first_tail = _for_blocks(builder, row, lambda d0, width: _values_block(
+            builder, ps, vt.data, row, d0, width, n, accs))
         fma = _fma1(builder)
-        first_tail = builder.and_(row, ir.Constant(_I64, -8))
         with cgutils.for_range(builder, builder.sub(row, first_tail)) as tail:
             d = builder.add(first_tail, tail.index)
             with cgutils.for_range(builder, n) as loop:
@@ -883,29 +882,6 @@ def int8_x_position(q4_order, j):
     if q4_order:
         return (j // 8) * 8 + (j % 2) * 4 + (j % 8) // 2
     return j
-
-
-@njit(**_JIT)
-def quantize_rows_int8(x, q4_order, xq, xs):
-    """x [rows, K] f32 -> xq [rows, K] int8 (chunks of 32, in int8_x_position order) and xs
-    [rows, 2K/32] f32: (d, d * sum(xi)) per chunk."""
-    for r in range(x.shape[0]):
-        for c in range(x.shape[1] // _INT8_CHUNK):
-            base = c * _INT8_CHUNK
-            amax = _F32(0.0)
-            for j in range(_INT8_CHUNK):
-                amax = max(amax, abs(x[r, base + j]))
-            d = amax / _F32(127.0)
-            inv = _F32(127.0) / amax if amax > _F32(0.0) else _F32(0.0)
-            total = _F32(0.0)
-            for j in range(_INT8_CHUNK):
-                t = np.float64(x[r, base + j]) * np.float64(inv)  # exact; then nearest, ties even
-                q = _F32((t + 6755399441055744.0) - 6755399441055744.0)
-                q = min(max(q, _F32(-127.0)), _F32(127.0))
-                xq[r, base + int8_x_position(q4_order, j)] = np.int8(q)
-                total += q
-            xs[r, 2 * c] = d
-            xs[r, 2 * c + 1] = d * total
 
 
 @njit(**_JIT)
