@@ -164,45 +164,74 @@ def test_transpose8_moves_8x8_blocks_exactly() -> None:
 
 
 @njit(cache=False)
-def _scores_chains(q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b):
-    # the scalar chains _tile_scores keeps: fma over d ascending from 0, then * sm_scale
-    for j in range(num_keys):
-        a, b = np.float32(0.0), np.float32(0.0)
-        for d in range(keys_t.shape[0]):
-            a = kernels.fma32(q_a[d], keys_t[d, j], a)
-            b = kernels.fma32(q_b[d], keys_t[d, j], b)
-        out_a[j], out_b[j] = a * sm_scale, b * sm_scale
+def _scores_chains(qs, ids, keys_t, num_keys, sm_scale, scores, first):
+    # the scalar chains scores_group keeps: fma over d ascending from 0, then * sm_scale
+    for v in ids:
+        for j in range(num_keys):
+            a = np.float32(0.0)
+            for d in range(keys_t.shape[0]):
+                a = kernels.fma32(qs[v, d], keys_t[d, j], a)
+            scores[v, first + j] = a * sm_scale
 
 
 @njit(cache=False)
-def _values_chains(p_a, p_b, values, num_keys, acc_a, acc_b):
-    # the scalar chains _tile_values keeps: fma over keys ascending into acc
-    for d in range(acc_a.shape[0]):
-        for j in range(num_keys):
-            acc_a[d] = kernels.fma32(p_a[j], values[j, d], acc_a[d])
-            acc_b[d] = kernels.fma32(p_b[j], values[j, d], acc_b[d])
+def _values_chains(probs, ids, values, j0, j1, acc):
+    # the scalar chains values_group keeps: fma over keys ascending into acc
+    for v in ids:
+        for d in range(acc.shape[1]):
+            for j in range(j0, j1):
+                acc[v, d] = kernels.fma32(probs[v, j], values[j, d], acc[v, d])
+
+
+@njit(cache=False)
+def _scores_group(qs, ids, count, keys_t, num_keys, sm_scale, scores, first):
+    kernels.scores_group(qs, ids, count, keys_t, num_keys, sm_scale, scores, first)
+
+
+@njit(cache=False)
+def _values_group(probs, ids, count, src, kind, slots, slot_base, kv_head, j0, j1, acc):
+    kernels.values_group(probs, ids, count, src, kind, slots, slot_base, kv_head, j0, j1, acc)
 
 
 @pytest.mark.parametrize("head_dim", [64, 32, 30, 8, 3])
-def test_tile_kernels_keep_each_elements_chain(head_dim: int) -> None:
-    """scores_pair and values_pair (chains held in registers, 32 keys / dims a block, then 8,
-    then one by one) give the bits of the scalar chains, for every count of keys."""
+def test_group_kernels_keep_each_elements_chain(head_dim: int) -> None:
+    """scores_group and values_group (1 to 4 vectors sharing each load, chains held in
+    registers, 8 * 4 or 8 * 2 keys / dims a block, then 8, then one by one; values read in place
+    through a slot list, f32 or bf16 bits, in chunks of keys) give the bits of the scalar chains
+    for every count of keys and vectors, touching only the rows they name."""
     rng = np.random.default_rng(head_dim)
     keys_t = rng.standard_normal((head_dim, 128)).astype(np.float32)
-    values = rng.standard_normal((128, head_dim)).astype(np.float32)
-    q_a, q_b = rng.standard_normal((2, head_dim)).astype(np.float32)
-    probs = rng.random((2, 128)).astype(np.float32)
-    for num_keys in (0, 1, 7, 8, 9, 31, 32, 33, 100, 128):
-        got = np.full((2, 130), np.nan, np.float32)
-        want = np.full((2, 130), np.nan, np.float32)
-        kernels._tile_scores(q_a, q_b, keys_t, num_keys, np.float32(0.17), got[0], got[1])
-        _scores_chains(q_a, q_b, keys_t, num_keys, np.float32(0.17), want[0], want[1])
-        assert np.array_equal(got, want, equal_nan=True), ("scores", num_keys)
-        acc = rng.standard_normal((2, head_dim)).astype(np.float32)
-        acc_want = acc.copy()
-        kernels._tile_values(probs[0], probs[1], values, num_keys, acc[0], acc[1])
-        _values_chains(probs[0], probs[1], values, num_keys, acc_want[0], acc_want[1])
-        assert np.array_equal(acc, acc_want), ("values", num_keys)
+    qs = rng.standard_normal((6, head_dim)).astype(np.float32)
+    probs = rng.random((6, 160)).astype(np.float32)
+    stored = rng.standard_normal((2, 200, 3, head_dim)).astype(np.float32)
+    bf16 = (stored.view(np.uint32) >> 16).astype(np.uint16)
+    slots = rng.permutation(200).astype(np.int64)
+    for count in (1, 2, 3, 4):
+        ids = rng.permutation(6)[:count].astype(np.int64)
+        for num_keys in (0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 128):
+            got = np.full((6, 140), np.nan, np.float32)
+            want = got.copy()
+            _scores_group(qs, ids, count, keys_t, num_keys, np.float32(0.17), got, 5)
+            _scores_chains(qs, ids, keys_t, num_keys, np.float32(0.17), want, 5)
+            assert np.array_equal(got, want, equal_nan=True), ("scores", count, num_keys)
+        for src, floats in ((stored, stored), (bf16, (bf16.astype(np.uint32) << 16).view(np.float32))):
+            for j0, j1 in ((0, 0), (0, 1), (3, 20), (10, 43), (0, 160)):
+                rows = floats[1, slots[np.arange(160) - 0], 2] if j1 <= 160 else None
+                acc = np.full((6, head_dim), np.nan, np.float32)
+                acc[ids] = rng.standard_normal((count, head_dim)).astype(np.float32)
+                acc_want = acc.copy()
+                _values_group(probs, ids, count, src, 1, slots, 0, 2, j0, j1, acc)
+                _values_chains(probs, ids, rows, j0, j1, acc_want)
+                assert np.array_equal(acc, acc_want, equal_nan=True), ("values", count, j0, j1)
+    # slot_base: key j's row is slots[j - slot_base] (a tile's rows)
+    acc = np.zeros((6, head_dim), np.float32)
+    acc_want = acc.copy()
+    ids = np.array([4, 1], np.int64)
+    _values_group(probs, ids, 2, stored, 0, slots, 40, 1, 40, 90, acc)
+    shifted = np.zeros((90, head_dim), np.float32)
+    shifted[40:] = stored[0, slots[:50], 1]
+    _values_chains(probs, ids, shifted, 40, 90, acc_want)
+    assert np.array_equal(acc, acc_want)
 
 
 @pytest.mark.parametrize("page_size", [16, 5, 3])

@@ -340,16 +340,33 @@ def _is_c(ty, ndim):
             and ty.layout == "C")
 
 
-def _for_blocks(builder, n, emit):
-    """emit(start, width) over [0, n - n % 8): blocks of 32 (width 4: four 8-lane vectors), then
-    of 8 (width 1); returns n - n % 8, where the one-by-one tail starts."""
-    whole32 = builder.and_(n, ir.Constant(_I64, -32))
+def _for_blocks(builder, n, emit, big=4):
+    """emit(start, width) over [0, n - n % 8): blocks of 8 * big (width big: that many 8-lane
+    vectors), then of 8 (width 1); returns n - n % 8, where the one-by-one tail starts."""
+    whole_big = builder.and_(n, ir.Constant(_I64, -8 * big))
     whole8 = builder.and_(n, ir.Constant(_I64, -8))
-    for width, start, done in ((4, ir.Constant(_I64, 0), whole32), (1, whole32, whole8)):
+    for width, start, done in ((big, ir.Constant(_I64, 0), whole_big), (1, whole_big, whole8)):
         step = ir.Constant(_I64, 8 * width)
         with cgutils.for_range(builder, builder.udiv(builder.sub(done, start), step)) as block:
             emit(builder.add(start, builder.mul(block.index, step)), width)
     return whole8
+
+
+MAX_GROUP = 4  # query vectors that share each key / value load in scores_group, values_group
+
+
+def _for_counts(builder, count, emit):
+    """emit(c) under `count == c` for c = 1 .. MAX_GROUP: code specialised to each count (its
+    chains in registers); other counts do nothing."""
+    for c in range(1, MAX_GROUP + 1):
+        with builder.if_then(builder.icmp_signed("==", count, ir.Constant(_I64, c))):
+            emit(c)
+
+
+def _rows_of(builder, data, ids, row, c):
+    """Pointers to rows ids[0 .. c) of a 2-D C array (row = its row length)."""
+    return [builder.gep(data, [builder.mul(builder.load(builder.gep(ids, [ir.Constant(_I64, i)])), row)])
+            for i in range(c)]
 
 
 def _scores_block(builder, q_ptrs, keys, row, j0, width, head_dim, scale, outs):
@@ -373,87 +390,165 @@ def _scores_block(builder, q_ptrs, keys, row, j0, width, head_dim, scale, outs):
                           _vec_at(builder, out, at), align=4)
 
 
+def _scores_count(builder, qs, outs, kt, row, head_dim, n, scale):
+    """The scores of len(qs) query vectors over keys 0 .. n of the K^T tile."""
+    big = 4 if len(qs) <= 2 else 2  # accumulators a block: len(qs) * big vectors in registers
+    first_tail = _for_blocks(builder, n, lambda j0, width: _scores_block(
+        builder, qs, kt, row, j0, width, head_dim, scale, outs), big)
+    fma = _fma1(builder)
+    with cgutils.for_range(builder, builder.sub(n, first_tail)) as tail:
+        j = builder.add(first_tail, tail.index)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0)) for _ in qs]
+        with cgutils.for_range(builder, head_dim) as loop:
+            k = builder.load(builder.gep(kt, [builder.add(builder.mul(loop.index, row), j)]))
+            for q, acc in zip(qs, accs, strict=True):
+                qd = builder.load(builder.gep(q, [loop.index]))
+                builder.store(builder.call(fma, [qd, k, builder.load(acc)]), acc)
+        for out, acc in zip(outs, accs, strict=True):
+            builder.store(builder.fmul(builder.load(acc), scale), builder.gep(out, [j]))
+
+
+def _is_ids(ty):
+    return isinstance(ty, types.Array) and ty.dtype == types.int64 and ty.ndim == 1 and ty.layout == "C"
+
+
 @intrinsic
-def scores_pair(typingctx, q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b):  # noqa: ARG001
-    """out_x[j] = (fma chain of q_x[d] * keys_t[d, j], d ascending from 0) * sm_scale, j <
-    num_keys, for two query vectors (1-D C float32) over a K^T tile (2-D C float32)."""
-    if not (_is_c(q_a, 1) and _is_c(q_b, 1) and _is_c(keys_t, 2) and _is_c(out_a, 1)
-            and _is_c(out_b, 1) and sm_scale == types.float32):
+def scores_group(typingctx, qs, ids, count, keys_t, num_keys, sm_scale, scores, first):  # noqa: ARG001
+    """scores[v, first + j] = (fma chain of qs[v, d] * keys_t[d, j], d ascending from 0) *
+    sm_scale for v in ids[:count] (count 1 .. MAX_GROUP) and j < num_keys: the vectors share
+    each key load. qs [vectors, hd], keys_t [hd, tile], scores [vectors, keys]: 2-D C float32."""
+    if not (_is_c(qs, 2) and _is_ids(ids) and _is_c(keys_t, 2) and _is_c(scores, 2)
+            and sm_scale == types.float32):
         return None
-    sig = types.void(q_a, q_b, keys_t, num_keys, sm_scale, out_a, out_b)
+    sig = types.void(qs, ids, count, keys_t, num_keys, sm_scale, scores, first)
 
     def codegen(context, builder, sg, args):
-        qs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (0, 1)]
-        kt = _ptr(context, builder, sg.args[2], args[2])
+        q = _ptr(context, builder, sg.args[0], args[0])
+        ids_data = _ptr(context, builder, sg.args[1], args[1]).data
+        count_, n, first_ = (context.cast(builder, args[i], sg.args[i], types.intp) for i in (2, 4, 7))
+        kt = _ptr(context, builder, sg.args[3], args[3])
         head_dim, row = cgutils.unpack_tuple(builder, kt.shape)
-        n = context.cast(builder, args[3], sg.args[3], types.intp)
-        scale = args[4]
-        outs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (5, 6)]
-        first_tail = _for_blocks(builder, n, lambda j0, width: _scores_block(
-            builder, qs, kt.data, row, j0, width, head_dim, scale, outs))
-        fma = _fma1(builder)
-        with cgutils.for_range(builder, builder.sub(n, first_tail)) as tail:
-            j = builder.add(first_tail, tail.index)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0)) for _ in qs]
-            with cgutils.for_range(builder, head_dim) as loop:
-                k = builder.load(builder.gep(kt.data, [builder.add(builder.mul(loop.index, row), j)]))
-                for q, acc in zip(qs, accs, strict=True):
-                    qd = builder.load(builder.gep(q, [loop.index]))
-                    builder.store(builder.call(fma, [qd, k, builder.load(acc)]), acc)
-            for out, acc in zip(outs, accs, strict=True):
-                builder.store(builder.fmul(builder.load(acc), scale), builder.gep(out, [j]))
+        out = _ptr(context, builder, sg.args[6], args[6])
+        out_row = cgutils.unpack_tuple(builder, out.shape)[1]
+        q_row = cgutils.unpack_tuple(builder, q.shape)[1]
+
+        def emit(c):
+            qs_ = _rows_of(builder, q.data, ids_data, q_row, c)
+            outs = [builder.gep(p, [first_]) for p in _rows_of(builder, out.data, ids_data, out_row, c)]
+            _scores_count(builder, qs_, outs, kt.data, row, head_dim, n, args[5])
+
+        _for_counts(builder, count_, emit)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _values_block(builder, p_ptrs, values, row, d0, width, n, accs_ptrs):
-    """accs[v][d0 .. d0 + 8 * width) += probs[v][j] * values[j, ...] for j < n, ascending."""
+class _ValueRows:
+    """Key j's stored value row: src[kind, slots[j - slot_base], kv_head, :] of a 4-D C array
+    of float32 or bf16 bits (uint16), loaded as float32 (bf16: the bits moved up 16, exact)."""
+
+    def __init__(self, context, builder, sg, args):
+        src = _ptr(context, builder, sg.args[3], args[3])
+        _, num_slots, nkv, self.head_dim = cgutils.unpack_tuple(builder, src.shape)
+        kind, base, head = (context.cast(builder, args[i], sg.args[i], types.intp) for i in (4, 6, 7))
+        self.bf16 = sg.args[3].dtype == types.uint16
+        self.data, self.nkv, self.head = src.data, nkv, head
+        self.slots = builder.gep(_ptr(context, builder, sg.args[5], args[5]).data,
+                                 [builder.neg(base)])
+        self.kind_slots = builder.mul(kind, num_slots)
+
+    def row(self, builder, j):
+        slot = builder.load(builder.gep(self.slots, [j]))
+        at = builder.mul(builder.add(builder.mul(builder.add(self.kind_slots, slot), self.nkv),
+                                     self.head), self.head_dim)
+        return builder.gep(self.data, [at])
+
+    def load8(self, builder, row, d):
+        if not self.bf16:
+            return builder.load(_vec_at(builder, row, d), align=4)
+        v8i16, v8i32 = ir.VectorType(ir.IntType(16), 8), ir.VectorType(_I32, 8)
+        h = builder.load(builder.bitcast(builder.gep(row, [d]), v8i16.as_pointer()), align=2)
+        return builder.bitcast(builder.shl(builder.zext(h, v8i32), ir.Constant(v8i32, [16] * 8)), _V8_F32)
+
+    def load1(self, builder, row, d):
+        x = builder.load(builder.gep(row, [d]))
+        if not self.bf16:
+            return x
+        return builder.bitcast(builder.shl(builder.zext(x, _I32), ir.Constant(_I32, 16)), ir.FloatType())
+
+
+_VALUE_CHUNK = 16  # values_group: keys a pass over the head dims (their rows stay in L1)
+
+
+def _values_block(builder, src, p_ptrs, acc_ptrs, d0, width, j0, j1):
+    """accs[v][d0 .. d0 + 8 * width) += probs[v][j] * V[j, ...] for j in [j0, j1), ascending."""
     fma = _fma8(builder)
     accs = [[cgutils.alloca_once_value(builder, builder.load(
         _vec_at(builder, acc, builder.add(d0, ir.Constant(_I64, 8 * w))), align=4))
-        for w in range(width)] for acc in accs_ptrs]
-    with cgutils.for_range(builder, n) as loop:
-        j = loop.index
-        vs = [builder.load(_vec_at(builder, values, builder.add(builder.mul(j, row),
-                                                                builder.add(d0, ir.Constant(_I64, 8 * w)))),
-                           align=4) for w in range(width)]
+        for w in range(width)] for acc in acc_ptrs]
+    with cgutils.for_range(builder, builder.sub(j1, j0)) as loop:
+        j = builder.add(j0, loop.index)
+        row = src.row(builder, j)
+        vs = [src.load8(builder, row, builder.add(d0, ir.Constant(_I64, 8 * w))) for w in range(width)]
         for p, acc_row in zip(p_ptrs, accs, strict=True):
             pj = _splat8(builder, builder.load(builder.gep(p, [j])))
             for v, acc in zip(vs, acc_row, strict=True):
                 builder.store(builder.call(fma, [pj, v, builder.load(acc)]), acc)
-    for acc_ptr, acc_row in zip(accs_ptrs, accs, strict=True):
+    for acc_ptr, acc_row in zip(acc_ptrs, accs, strict=True):
         for w, acc in enumerate(acc_row):
             at = builder.add(d0, ir.Constant(_I64, 8 * w))
             builder.store(builder.load(acc), _vec_at(builder, acc_ptr, at), align=4)
 
 
-@intrinsic
-def values_pair(typingctx, probs_a, probs_b, values, num_keys, acc_a, acc_b):  # noqa: ARG001
-    """acc_x[d] = fma(probs_x[j], values[j, d], acc_x[d]) for j ascending < num_keys, for two
-    probability rows (1-D C float32) over a V tile (2-D C float32, rows >= num_keys)."""
-    if not (_is_c(probs_a, 1) and _is_c(probs_b, 1) and _is_c(values, 2) and _is_c(acc_a, 1)
-            and _is_c(acc_b, 1)):
-        return None
-    sig = types.void(probs_a, probs_b, values, num_keys, acc_a, acc_b)
-
-    def codegen(context, builder, sg, args):
-        ps = [_ptr(context, builder, sg.args[i], args[i]).data for i in (0, 1)]
-        vt = _ptr(context, builder, sg.args[2], args[2])
-        row = cgutils.unpack_tuple(builder, vt.shape)[1]
-        n = context.cast(builder, args[3], sg.args[3], types.intp)
-        accs = [_ptr(context, builder, sg.args[i], args[i]).data for i in (4, 5)]
-        first_tail = _for_blocks(builder, row, lambda d0, width: _values_block(
-            builder, ps, vt.data, row, d0, width, n, accs))
-        fma = _fma1(builder)
-        with cgutils.for_range(builder, builder.sub(row, first_tail)) as tail:
+def _values_count(builder, src, ps, accs, j0, j1):
+    """len(ps) vectors' values over keys [j0, j1): chunks of _VALUE_CHUNK keys, each chunk
+    over all head dims (8 * big at a time, then 8, then one by one)."""
+    big = 4 if len(ps) <= 2 else 2
+    chunk = ir.Constant(_I64, _VALUE_CHUNK)
+    count = builder.udiv(builder.add(builder.sub(j1, j0), ir.Constant(_I64, _VALUE_CHUNK - 1)), chunk)
+    fma = _fma1(builder)
+    with cgutils.for_range(builder, count) as outer:
+        c0 = builder.add(j0, builder.mul(outer.index, chunk))
+        c1 = builder.select(builder.icmp_signed("<", builder.add(c0, chunk), j1), builder.add(c0, chunk), j1)
+        first_tail = _for_blocks(builder, src.head_dim, lambda d0, width: _values_block(
+            builder, src, ps, accs, d0, width, c0, c1), big)
+        with cgutils.for_range(builder, builder.sub(src.head_dim, first_tail)) as tail:
             d = builder.add(first_tail, tail.index)
-            with cgutils.for_range(builder, n) as loop:
-                v = builder.load(builder.gep(vt.data, [builder.add(builder.mul(loop.index, row), d)]))
+            with cgutils.for_range(builder, builder.sub(c1, c0)) as loop:
+                j = builder.add(c0, loop.index)
+                v = src.load1(builder, src.row(builder, j), d)
                 for p, acc in zip(ps, accs, strict=True):
                     slot = builder.gep(acc, [d])
-                    pj = builder.load(builder.gep(p, [loop.index]))
+                    pj = builder.load(builder.gep(p, [j]))
                     builder.store(builder.call(fma, [pj, v, builder.load(slot)]), slot)
+
+
+@intrinsic
+def values_group(typingctx, probs, ids, count, src, kind, slots, slot_base, kv_head, j0, j1, acc):  # noqa: ARG001
+    """acc[v, d] = fma(probs[v, j], V[j, d], acc[v, d]) for j ascending in [j0, j1), v in
+    ids[:count] (count 1 .. MAX_GROUP): the vectors share each value load. V[j] is read in place:
+    src[kind, slots[j - slot_base], kv_head, :] (src 4-D C float32 or bf16 bits uint16: a KV
+    layer, or a converted tile). probs [vectors, keys], acc [vectors, hd]: 2-D C float32."""
+    if not (_is_c(probs, 2) and _is_ids(ids) and _is_c(acc, 2) and _is_ids(slots)
+            and isinstance(src, types.Array) and src.ndim == 4 and src.layout == "C"
+            and src.dtype in (types.float32, types.uint16)):
+        return None
+    sig = types.void(probs, ids, count, src, kind, slots, slot_base, kv_head, j0, j1, acc)
+
+    def codegen(context, builder, sg, args):
+        rows = _ValueRows(context, builder, sg, args)
+        p = _ptr(context, builder, sg.args[0], args[0])
+        ids_data = _ptr(context, builder, sg.args[1], args[1]).data
+        count_, j0_, j1_ = (context.cast(builder, args[i], sg.args[i], types.intp) for i in (2, 8, 9))
+        a = _ptr(context, builder, sg.args[10], args[10])
+        p_row = cgutils.unpack_tuple(builder, p.shape)[1]
+        a_row = cgutils.unpack_tuple(builder, a.shape)[1]
+
+        def emit(c):
+            _values_count(builder, rows, _rows_of(builder, p.data, ids_data, p_row, c),
+                          _rows_of(builder, a.data, ids_data, a_row, c), j0_, j1_)
+
+        _for_counts(builder, count_, emit)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1256,80 +1351,103 @@ def _direct_keys_t_impl(kv_layer):
 
 
 @njit(**_JIT)
-def _tile_scores(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b):
-    # scores_x[j] = (fma chain of q_x[d] * K[j, d], d ascending) * sm_scale for two query
-    # vectors sharing each key load (scores_pair: chains across keys, a key's order fixed by
-    # head_dim alone)
-    scores_pair(q_a, q_b, keys_t, num_keys, sm_scale, scores_a, scores_b)
-
-
-@njit(**_JIT)
-def _tile_values(probs_a, probs_b, values, num_keys, acc_a, acc_b):
-    # acc_x[d] = fma(probs_x[j], V[j, d], acc_x[d]) for j ascending: two vectors sharing each
-    # value load (values_pair)
-    values_pair(probs_a, probs_b, values, num_keys, acc_a, acc_b)
-
-
-@njit(**_JIT)
-def _pair(pair, num_vectors, spare):
-    # vectors (pair, pair + 1); an odd last vector is paired with the spare scratch row
-    return pair, pair + 1 if pair + 1 < num_vectors else spare
-
-
-@njit(**_JIT)
 def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size, sm_scale,
-                  rows_tile, keys_t, scores):
-    # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0])
+                  scratch):
+    # scores[v, :max_keys] for v = (row - rows[0]) * group + (head - heads[0]): the block's
+    # query vectors gathered in qs, up to MAX_GROUP of them sharing each key load
+    keys_t, rows_tile, scores, qs, ids = scratch[0], scratch[1], scratch[2], scratch[5], scratch[8]
     group = heads[1] - heads[0]
     num_vectors = (rows[1] - rows[0]) * group
+    for v in range(num_vectors):
+        qs[v] = q[rows[0] + v // group, heads[0] + v % group]
     for first in range(0, max_keys, _KEY_TILE):
         num_keys = min(_KEY_TILE, max_keys - first)
         _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, heads[0] // group,
                      rows_tile, keys_t)
-        for pair in range(0, num_vectors, 2):
-            a, b = _pair(pair, num_vectors, scores.shape[0] - 1)
-            b_row = min(b, num_vectors - 1)  # the spare row repeats vector a's q
-            _tile_scores(q[rows[0] + a // group, heads[0] + a % group],
-                         q[rows[0] + b_row // group, heads[0] + b_row % group], keys_t,
-                         num_keys, sm_scale, scores[a, first:], scores[b, first:])
+        for v0 in range(0, num_vectors, MAX_GROUP):
+            count = min(MAX_GROUP, num_vectors - v0)
+            for i in range(count):
+                ids[i] = v0 + i
+            scores_group(qs, ids, count, keys_t, num_keys, sm_scale, scores, first)
+
+
+@njit(**_JIT)
+def _values_span(src, kind, slots, slot_base, kv_head, lo, hi, row_pos, rows, group, scratch):
+    # acc[v] += probs[v, j] * V[j] for the keys j in [lo, hi) of vector v's causal range, j
+    # ascending; up to MAX_GROUP vectors share each value load, over the keys they have in common
+    probs, acc, ids, limits = scratch[2], scratch[3], scratch[8], scratch[9]
+    num_vectors = (rows[1] - rows[0]) * group
+    for v0 in range(0, num_vectors, MAX_GROUP):
+        count = min(MAX_GROUP, num_vectors - v0)
+        for i in range(count):
+            limits[i] = min(hi, max(lo, row_pos[rows[0] + (v0 + i) // group] + 1))
+        start = lo
+        while True:
+            active, end = 0, hi
+            for i in range(count):
+                if limits[i] > start:
+                    ids[active] = v0 + i
+                    active += 1
+                    end = min(end, limits[i])
+            if active == 0:
+                break
+            values_group(probs, ids, active, src, kind, slots, slot_base, kv_head, start, end, acc)
+            start = end
+
+
+def _values_in_place(kv_layer, slots, kv_head, max_keys, row_pos, rows, group, scratch):
+    """_values_span over every key, V read in place, where _direct_keys_t (else nothing: a
+    branch never taken, and never typed with a KV dtype values_group does not read)."""
+
+
+@overload(_values_in_place, jit_options={"nogil": True, "error_model": "numpy"})
+def _values_in_place_impl(kv_layer, slots, kv_head, max_keys, row_pos, rows, group, scratch):
+    if _takes_keys_t8(kv_layer):
+        def impl(kv_layer, slots, kv_head, max_keys, row_pos, rows, group, scratch):
+            _values_span(kv_layer, 1, slots, 0, kv_head, 0, max_keys, row_pos, rows, group, scratch)
+        return impl
+    return lambda kv_layer, slots, kv_head, max_keys, row_pos, rows, group, scratch: None
 
 
 @njit(**_JIT)
 def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_keys, page_size,
-                  values, probs, acc):
-    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending.
-    # A pair runs their common keys together, then the longer one's rest with the spare row.
-    num_vectors = (rows[1] - rows[0]) * group
-    spare = acc.shape[0] - 1
+                  scratch):
+    # acc[v] = sum_j probs[v, j] * V[j] over the causal keys of vector v's row, j ascending:
+    # f32 / bf16 values read in place from the KV pages; other dtypes converted a tile at a time
+    values, acc, slots, tile_slots = scratch[1], scratch[3], scratch[6], scratch[7]
     acc[:] = 0
+    if _direct_keys_t(kv_layer):
+        page, offset = 0, 0
+        for j in range(max_keys):
+            slots[j] = np.int64(pages[page]) * page_size + offset
+            offset += 1
+            if offset == page_size:
+                page, offset = page + 1, 0
+        _values_in_place(kv_layer, slots, kv_head, max_keys, row_pos, rows, group, scratch)
+        return
+    tile = values.reshape((1, values.shape[0], 1, values.shape[1]))
     for first in range(0, max_keys, _VALUE_TILE):
         num_keys = min(_VALUE_TILE, max_keys - first)
         _load_tile(kv_layer, 1, v_scale, pages, first, num_keys, page_size, kv_head, values)
-        for pair in range(0, num_vectors, 2):
-            a, b = _pair(pair, num_vectors, spare)
-            keys_a = max(0, min(num_keys, row_pos[rows[0] + a // group] + 1 - first))
-            keys_b = 0 if b == spare else max(0, min(num_keys, row_pos[rows[0] + b // group] + 1 - first))
-            common = min(keys_a, keys_b)
-            _tile_values(probs[a, first:], probs[b, first:], values, common, acc[a], acc[b])
-            longer = a if keys_a > keys_b else b
-            _tile_values(probs[longer, first + common:], probs[longer, first + common:],
-                         values[common:], max(keys_a, keys_b) - common, acc[longer], acc[spare])
+        _values_span(tile, 0, tile_slots, first, 0, first, first + num_keys, row_pos, rows,
+                     group, scratch)
 
 
 @njit(**_JIT)
 def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, sm_scale,
                   scratch, out):
     # Rows rows[0]..rows[1]-1 of one stream x the query heads heads[0]..heads[1]-1 of one kv
-    # head: whole-row scores, softmax over 0..pos, weighted values; K and V converted per tile.
-    keys_t, values, scores, acc, totals = scratch
+    # head: whole-row scores, softmax over 0..pos, weighted values; K (and fp8 V) converted
+    # per tile.
+    scores, acc, totals = scratch[2], scratch[3], scratch[4]
     group = heads[1] - heads[0]
     max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
     _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
-                  values, keys_t, scores)
+                  scratch)
     for vector in range((rows[1] - rows[0]) * group):
         totals[vector] = _softmax_in_place(scores[vector], row_pos[rows[0] + vector // group] + 1)
     _block_values(kv_layer, scales[1], pages, row_pos, rows, group, heads[0] // group, max_keys,
-                  page_size, values, scores, acc)
+                  page_size, scratch)
     for vector in range((rows[1] - rows[0]) * group):
         r, h = rows[0] + vector // group, heads[0] + vector % group
         for d in range(acc.shape[1]):
@@ -1343,11 +1461,15 @@ def _blocks_chunk(chunk, num_chunks, q, kv_layer, scales, block_table, row_seq, 
     head_dim, num_kv_heads = q.shape[2], kv_layer.shape[2]
     group = q.shape[1] // num_kv_heads
     vectors = np.int64((starts[1:] - starts[:-1]).max()) * group
-    # scores and acc have a spare last row (the partner of an odd vector out)
-    # the values tile [_KEY_TILE, hd] also holds K row-major before its transpose
+    max_keys = np.int64(row_pos.max()) + 1
+    # keys_t, a row-major tile [_KEY_TILE, hd] (K before its transpose; fp8 V), scores, acc,
+    # totals, the block's query vectors, the keys' slots, a tile's row numbers, a group's
+    # vector ids and their key limits (_values_span)
     scratch = (np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32),
-               np.empty((vectors + 1, np.int64(row_pos.max()) + 1), _F32),
-               np.empty((vectors + 1, head_dim), _F32), np.empty(vectors, _F32))
+               np.empty((vectors, max_keys), _F32), np.empty((vectors, head_dim), _F32),
+               np.empty(vectors, _F32), np.empty((vectors, head_dim), _F32),
+               np.empty(max_keys, np.int64), np.arange(_KEY_TILE), np.empty(MAX_GROUP, np.int64),
+               np.empty(MAX_GROUP, np.int64))
     # strided items: later (longer) blocks of a causal prompt spread over every chunk
     for item in range(chunk, (starts.shape[0] - 1) * num_kv_heads, num_chunks):
         block, kv_head = item // num_kv_heads, item % num_kv_heads
