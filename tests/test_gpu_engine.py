@@ -287,3 +287,20 @@ async def test_default_model_gates_on_the_gpu(default_checkpoint) -> None:
 def test_default_model_gpu_logits_close_to_cpu(default_checkpoint) -> None:
     prompt = default_checkpoint.tokenizer.encode("The capital of France is")
     assert _gpu_cpu_error(default_checkpoint, prompt) <= DEFAULT_BOUND
+
+
+@pytest.mark.asyncio
+async def test_after_the_warm_up_decode_rounds_replay_without_a_capture(tiny_ckpts) -> None:
+    """Engine.warm_up (serve runs it before it reports ready) captures a decode graph for every
+    row count up to the lanes': streams that come later replay them and capture none."""
+    import asyncio
+
+    async with Engine(tiny_ckpts["qwen3-mlx4"], device="cuda", parallel=6, ctx=128) as eng:
+        await eng.warm_up()
+        graphed = eng.parts.runner.decoder
+        shapes, replays = len(graphed._graphs), graphed.num_replays
+        done = await asyncio.gather(*(eng.complete([7 + i, 3, 21], max_tokens=4 + 3 * i, ignore_eos=True)
+                                      for i in range(6)))
+        assert [len(d.token_ids) for d in done] == [4 + 3 * i for i in range(6)]
+        assert len(graphed._graphs) == shapes  # rounds of 6, 5, ..., 1 rows: all captured before
+        assert graphed.num_replays >= replays + 15

@@ -25,3 +25,27 @@ def test_no_kernel_compiles_after_the_warm_up(tiny_llama_dir, drafter):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["new"] == {}, result
     assert result["idle"] == 0 and result["compiled"] > 5
+
+
+async def test_warm_up_runs_a_decode_round_of_every_row_count(tiny_llama_dir) -> None:
+    """On a GPU each decode shape (rows, streams) is a CUDA graph, captured the first time it
+    comes: the warm-up brings every row count up to the lanes' (WARM_DECODE_ROWS at most), so
+    the first users' rounds replay graphs instead of capturing them."""
+    from tf_async import Engine
+
+    seen: set[tuple[int, int]] = set()
+    async with Engine(tiny_llama_dir, device="cpu", parallel=5, ctx=128, page_size=8,
+                      step_tokens=16) as engine:
+        decoder = engine.parts.decoder
+        forward = decoder.forward
+
+        def recording(batch, *args, **kwargs):
+            rows = int(batch.token_ids.shape[0])
+            if int(batch.logit_rows.shape[0]) == rows:  # every row a decode row
+                seen.add((rows, int(batch.block_table.shape[0])))
+            return forward(batch, *args, **kwargs)
+
+        decoder.forward = recording
+        await engine.warm_up()
+        assert engine.stats()["pages_in_use"] == 0
+    assert {(n, n) for n in range(1, 6)} <= seen, sorted(seen)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from .models.tokenizer import Tokenizer  # a heavier module: loaded with a model
 
 SWITCH_INTERVAL_S = 0.0005
+# warm_up runs decode rounds of every row count up to this many (at most the lanes), so a GPU
+# engine captures their CUDA graphs before it reports ready; rounds of more rows are captured
+# when they first come (GraphDecoder.max_graphs bounds how many shapes are kept).
+WARM_DECODE_ROWS = 16
 
 
 def _check(cond: bool, message: str, param: str) -> None:
@@ -200,7 +204,8 @@ class Engine:
         disk cache) and CUDA graphs are captured now, not in the first user's request: a
         prompt longer than a step (stepped prefill) beside short ones (mixed rounds), greedy and
         seeded sampling with every filter, penalties and logprobs, a chat, a repetitive prompt
-        (drafts to verify with an ngram drafter)."""
+        (drafts to verify with an ngram drafter), and decode rounds of every row count up to the
+        lanes' (WARM_DECODE_ROWS at most: each a CUDA graph on a GPU)."""
         step_tokens = self.options.step_tokens
         num_long = max(2, min(step_tokens + 8, self.ctx // 2 - 8))
         pattern = self.tokenizer.encode("one two three one two three")
@@ -214,6 +219,18 @@ class Engine:
             self.complete(long_ids, max_tokens=tokens, ignore_eos=True),
             self.chat_complete(user, max_tokens=tokens, ignore_eos=True, **sampled),
             self.complete(pattern * 4, max_tokens=tokens, ignore_eos=True, stop=["\n\n"]))
+        await self._warm_decode_rows(pattern)
+
+    async def _warm_decode_rows(self, prompt: list[int]) -> None:
+        """Decode rounds of n rows for every n from min(lanes, WARM_DECODE_ROWS) down to 1:
+        that many requests at once, each one token longer than the one before, so the round
+        loses a row as each ends (on a GPU each shape's graph is captured here)."""
+        count = min(self._parts.num_lanes, WARM_DECODE_ROWS)
+        room = self.ctx - len(prompt) - 1
+        if count < 2 or room < count + 1:
+            return
+        await asyncio.gather(*(self.complete(prompt, max_tokens=n + 2, ignore_eos=True)
+                               for n in range(count)))
 
     async def close(self) -> None:
         if self.parts is not None and not self.closed:

@@ -61,7 +61,7 @@ async def run_bench(model: str | None, *, device: str, parallels: list[int], max
         async with Engine(ckpt, device=device, parallel=parallel, ctx=1024, kv_dtype=kv_dtype,
                           step_tokens=256, drafter=drafter, cuda_graphs=cuda_graphs,
                           decode_steps=decode_steps, tensor_parallel=tensor_parallel) as eng:
-            await eng.complete(PROMPT, max_tokens=4)  # compile / warm up
+            await eng.warm_up()  # as serve does: kernels, and every decode row count's graph
             runs = [await decode_rate(eng, streams, max_tokens) for _ in range(repeats)]
             prefill = [await prefill_rate(eng, 256) for _ in range(repeats)]
         rows.append(BenchRow(parallel, streams, statistics.median(r[0] for r in runs),
