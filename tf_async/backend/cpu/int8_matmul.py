@@ -333,21 +333,80 @@ def _add_chunk(
     b.store(b.call(fma, [bias, dsum, new]), slot)
 
 
-def _emit_tail(b: ir.IRBuilder, f: _Feature, accs: list[ir.Value], c0: ir.Value) -> None:
-    """Chunks c0 .. chunks - 1 (fewer than 8): 4-bit in pairs (the x layout's), a lone last
-    chunk alone; 8-bit one by one."""
+def _lane_mask(b: ir.IRBuilder, count: ir.Value) -> ir.Value:
+    """v8 i1: lanes 0 .. count - 1 (count an i64 <= 8)."""
+    v8i32 = ir.VectorType(_I32, 8)
+    n = b.insert_element(
+        ir.Constant(v8i32, ir.Undefined), b.trunc(count, _I32), ir.Constant(_I32, 0)
+    )
+    n = _shuffle(b, n, n, [0] * 8)
+    return b.icmp_unsigned("<", ir.Constant(v8i32, list(range(8))), n)
+
+
+def _masked_load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value, mask: ir.Value) -> ir.Value:
+    """base[index + j] for the lanes of mask (nothing read past them), 0.0 elsewhere."""
+    v8i1 = ir.VectorType(ir.IntType(1), 8)
+    fn = _fn(b, "llvm.masked.load.v8f32.p0", _V8F32, [base.type, _I32, v8i1, _V8F32])
+    zero = ir.Constant(_V8F32, [0.0] * 8)
+    return b.call(fn, [b.gep(base, [index]), ir.Constant(_I32, 4), mask, zero])
+
+
+def _emit_pairs_block(
+    b: ir.IRBuilder,
+    f: _Feature,
+    accs: list[ir.Value],
+    c0: ir.Value,
+    pairs: ir.Value,
+    contiguous: bool,
+) -> None:
+    """4-bit chunks c0 .. c0 + 2 * pairs - 1 (1 <= pairs <= 3, c0 % 8 == 0) as one 8-chunk
+    block whose missing pairs sum to 0: each chunk's lane gets _add_chunk's two fmas (vector
+    fmas: the same per-lane arithmetic), the other lanes are kept as they were (a select: an
+    added 0.0 would turn a -0.0 lane into +0.0)."""
+    zero = ir.Constant(_V16I16, [0] * 16)
+    dots = [[cgutils.alloca_once_value(b, zero) for _ in range(4)] for _ in accs]
+    for pair in range(4):
+        c = b.add(c0, _const(2 * pair))
+        with b.if_then(b.icmp_unsigned("<", _const(pair), pairs)):
+            q = _load(b, f.codes_at(b, c), _const(0), _V32I8)
+            low = b.and_(q, ir.Constant(_V32I8, [15] * 32))
+            high = b.lshr(q, ir.Constant(_V32I8, [4] * 32))
+            for k in range(len(accs)):
+                b.store(_pair_dot(b, low, high, f.x_at(b, k, c)), dots[k][pair])
+    mask = _lane_mask(b, b.shl(pairs, _const(1)))
+    if contiguous:
+        s8, b8 = _masked_load8(b, f.scales, c0, mask), _masked_load8(b, f.biases, c0, mask)
+    else:  # indices past the row's last chunk clamped to it (their lanes are not kept)
+        last = b.sub(f.ops.chunks, _const(1))
+        groups = []
+        for j in range(8):
+            c = b.add(c0, _const(j))
+            c = b.select(b.icmp_unsigned("<", c, last), c, last)
+            groups.append(b.lshr(c, f.ops.group_shift))
+        s8, b8 = _lane_gather(b, f.scales, groups), _lane_gather(b, f.biases, groups)
+    fma = _fn(b, "llvm.fma.v8f32", _V8F32, [_V8F32] * 3)
+    lane_vector = b.and_(b.lshr(c0, _const(3)), _const(3))
+    for k, acc in enumerate(accs):
+        isum = _sum8_u4(b, [b.load(d) for d in dots[k]])
+        d8 = _load8(b, f.xs_rows[k], c0)  # xs rows hold 3 * chunks: in bounds
+        dsum8 = _load8(b, f.xs_rows[k], b.add(c0, f.ops.chunks))
+        slot = b.gep(acc, [_const(0), lane_vector])
+        old = b.load(slot)
+        new = b.call(fma, [b.fmul(s8, d8), b.sitofp(isum, _V8F32), old])
+        b.store(b.select(mask, b.call(fma, [b8, dsum8, new]), old), slot)
+
+
+def _emit_tail(
+    b: ir.IRBuilder, f: _Feature, accs: list[ir.Value], c0: ir.Value, contiguous: bool
+) -> None:
+    """Chunks c0 .. chunks - 1 (fewer than 8): 4-bit pairs as one masked block (the x
+    layout's pairs), a lone last chunk alone; 8-bit one by one."""
     ops = f.ops
     rest = b.sub(ops.chunks, c0)
     pairs = b.lshr(rest, _const(1)) if f.bits == 4 else _const(0)
-    with cgutils.for_range(b, pairs) as loop:
-        c = b.add(c0, b.shl(loop.index, _const(1)))
-        q = _load(b, f.codes_at(b, c), _const(0), _V32I8)
-        low = b.and_(q, ir.Constant(_V32I8, [15] * 32))
-        high = b.lshr(q, ir.Constant(_V32I8, [4] * 32))
-        for k, acc in enumerate(accs):
-            sums = _madd_ones(b, _pair_dot(b, low, high, f.x_at(b, k, c)))
-            _add_chunk(b, f, acc, k, c, _hsum_i32(b, sums, 0, 4))
-            _add_chunk(b, f, acc, k, b.add(c, _const(1)), _hsum_i32(b, sums, 4, 4))
+    if f.bits == 4:
+        with b.if_then(b.icmp_unsigned("!=", pairs, _const(0))):
+            _emit_pairs_block(b, f, accs, c0, pairs, contiguous)
     with cgutils.for_range(b, b.sub(rest, b.shl(pairs, _const(1)))) as loop:
         c = b.add(b.add(c0, b.shl(pairs, _const(1))), loop.index)
         for k, acc in enumerate(accs):
@@ -378,7 +437,7 @@ def _emit_feature(
     full = b.lshr(ops.chunks, _const(3))
     with cgutils.for_range(b, full) as loop:
         _emit_block(b, f, accs, b.shl(loop.index, _const(3)), contiguous)
-    _emit_tail(b, f, accs, b.shl(full, _const(3)))
+    _emit_tail(b, f, accs, b.shl(full, _const(3)), contiguous)
     column = b.add(o, ops.out_offset)
     for k, acc in enumerate(accs):
         row = b.add(ops.row0, _const(k))
