@@ -16,6 +16,7 @@ under 2e-3 with float32 x).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 
@@ -104,8 +105,6 @@ async def test_every_gate_holds_with_cuda_graphs(tiny_ckpts, name, monkeypatch) 
 async def test_decode_steps_equal_one_step_on_the_gpu(tiny_ckpts, name) -> None:
     """--decode-steps on the GPU (graphs on, tokens fed device to device, greedy and seeded):
     the outputs of one step a round, token for token, and nothing left in use."""
-    import asyncio
-
     kwargs = [dict(max_tokens=14, ignore_eos=True), dict(max_tokens=11, ignore_eos=True, temperature=0.8, seed=4),
               dict(max_tokens=9, ignore_eos=True, temperature=1.2, top_k=30, top_p=0.9, seed=8)]
     outputs, rounds = [], []
@@ -293,8 +292,6 @@ def test_default_model_gpu_logits_close_to_cpu(default_checkpoint) -> None:
 async def test_after_the_warm_up_decode_rounds_replay_without_a_capture(tiny_ckpts) -> None:
     """Engine.warm_up (serve runs it before it reports ready) captures a decode graph for every
     row count up to the lanes': streams that come later replay them and capture none."""
-    import asyncio
-
     async with Engine(tiny_ckpts["qwen3-mlx4"], device="cuda", parallel=6, ctx=128) as eng:
         await eng.warm_up()
         graphed = eng.parts.runner.decoder

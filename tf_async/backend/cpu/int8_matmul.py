@@ -173,10 +173,10 @@ def _sum8(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
     return parts[0]
 
 
-def _hsum_i32(b: ir.IRBuilder, v: ir.Value, first: int = 0, width: int = 8) -> ir.Value:
-    """Sum of lanes first .. first + width - 1 of a v8 i32."""
-    total = b.extract_element(v, ir.Constant(_I32, first))
-    for lane in range(first + 1, first + width):
+def _hsum_i32(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Sum of the 8 lanes of a v8 i32."""
+    total = b.extract_element(v, ir.Constant(_I32, 0))
+    for lane in range(1, 8):
         total = b.add(total, b.extract_element(v, ir.Constant(_I32, lane)))
     return total
 
@@ -270,12 +270,7 @@ def _block_sums(b: ir.IRBuilder, f: _Feature, rows: int, c0: ir.Value) -> list[i
             )
             for k in range(rows)
         ]
-    nibbles = []
-    for pair in range(4):  # both chunks' 32 code bytes: low nibbles, high nibbles
-        q = _load(b, f.codes_at(b, chunk_ids[2 * pair]), _const(0), _V32I8)
-        nibbles.append(
-            (b.and_(q, ir.Constant(_V32I8, [15] * 32)), b.lshr(q, ir.Constant(_V32I8, [4] * 32)))
-        )
+    nibbles = [_nibbles(b, f, chunk_ids[2 * pair]) for pair in range(4)]
     return [
         _sum8_u4(
             b,
@@ -286,6 +281,12 @@ def _block_sums(b: ir.IRBuilder, f: _Feature, rows: int, c0: ir.Value) -> list[i
         )
         for k in range(rows)
     ]
+
+
+def _nibbles(b: ir.IRBuilder, f: _Feature, c: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """4-bit chunks c, c + 1: both chunks' 32 code bytes as their low nibbles, high nibbles."""
+    q = _load(b, f.codes_at(b, c), _const(0), _V32I8)
+    return b.and_(q, ir.Constant(_V32I8, [15] * 32)), b.lshr(q, ir.Constant(_V32I8, [4] * 32))
 
 
 def _x_total(
@@ -308,14 +309,32 @@ def _emit_block(
 ) -> None:
     """Chunks c0 .. c0 + 7 (c0 % 8 == 0) into every row's lanes (c0 % 32) .. + 7."""
     s8, b8 = f.scale_vectors(b, c0, contiguous)
+    _block_floats(b, f, accs, c0, (s8, b8), _block_sums(b, f, len(accs), c0))
+
+
+def _block_floats(
+    b: ir.IRBuilder,
+    f: _Feature,
+    accs: list[ir.Value],
+    c0: ir.Value,
+    scales: tuple[ir.Value, ir.Value],
+    isums: list[ir.Value],
+    mask: ir.Value | None = None,
+) -> None:
+    """Each row's chunk sums isums[k] (v8 i32, chunks c0 .. c0 + 7) into its lanes (c0 % 32)
+    .. + 7: fma(s * d, isum, acc), then fma(b, d * sum(x), acc); with a mask, the lanes
+    outside it keep their value (a select: an added 0.0 would turn a -0.0 lane into +0.0).
+    xs rows hold 3 * chunks values: the 8-wide loads stay in the row."""
+    s8, b8 = scales
     fma = _fn(b, "llvm.fma.v8f32", _V8F32, [_V8F32] * 3)
     lane_vector = b.and_(b.lshr(c0, _const(3)), _const(3))
-    for k, isum in enumerate(_block_sums(b, f, len(accs), c0)):
+    for k, isum in enumerate(isums):
         d8 = _load8(b, f.xs_rows[k], c0)
         dsum8 = _load8(b, f.xs_rows[k], b.add(c0, f.ops.chunks))
         slot = b.gep(accs[k], [_const(0), lane_vector])
-        new = b.call(fma, [b.fmul(s8, d8), b.sitofp(isum, _V8F32), b.load(slot)])
-        b.store(b.call(fma, [b8, dsum8, new]), slot)
+        old = b.load(slot)
+        new = b.call(fma, [b8, dsum8, b.call(fma, [b.fmul(s8, d8), b.sitofp(isum, _V8F32), old])])
+        b.store(new if mask is None else b.select(mask, new, old), slot)
 
 
 def _add_chunk(
@@ -360,40 +379,30 @@ def _emit_pairs_block(
     contiguous: bool,
 ) -> None:
     """4-bit chunks c0 .. c0 + 2 * pairs - 1 (1 <= pairs <= 3, c0 % 8 == 0) as one 8-chunk
-    block whose missing pairs sum to 0: each chunk's lane gets _add_chunk's two fmas (vector
-    fmas: the same per-lane arithmetic), the other lanes are kept as they were (a select: an
-    added 0.0 would turn a -0.0 lane into +0.0)."""
+    block whose missing pairs sum to 0 and whose lanes past them are kept (_block_floats'
+    mask): the same per-lane arithmetic as chunk by chunk. Scales are read only for the
+    chunks there are (masked loads; gathered indices clamped to the row's last chunk)."""
     zero = ir.Constant(_V16I16, [0] * 16)
     dots = [[cgutils.alloca_once_value(b, zero) for _ in range(4)] for _ in accs]
     for pair in range(4):
         c = b.add(c0, _const(2 * pair))
         with b.if_then(b.icmp_unsigned("<", _const(pair), pairs)):
-            q = _load(b, f.codes_at(b, c), _const(0), _V32I8)
-            low = b.and_(q, ir.Constant(_V32I8, [15] * 32))
-            high = b.lshr(q, ir.Constant(_V32I8, [4] * 32))
+            low, high = _nibbles(b, f, c)
             for k in range(len(accs)):
                 b.store(_pair_dot(b, low, high, f.x_at(b, k, c)), dots[k][pair])
     mask = _lane_mask(b, b.shl(pairs, _const(1)))
     if contiguous:
-        s8, b8 = _masked_load8(b, f.scales, c0, mask), _masked_load8(b, f.biases, c0, mask)
-    else:  # indices past the row's last chunk clamped to it (their lanes are not kept)
+        scales = (_masked_load8(b, f.scales, c0, mask), _masked_load8(b, f.biases, c0, mask))
+    else:
         last = b.sub(f.ops.chunks, _const(1))
         groups = []
         for j in range(8):
             c = b.add(c0, _const(j))
             c = b.select(b.icmp_unsigned("<", c, last), c, last)
             groups.append(b.lshr(c, f.ops.group_shift))
-        s8, b8 = _lane_gather(b, f.scales, groups), _lane_gather(b, f.biases, groups)
-    fma = _fn(b, "llvm.fma.v8f32", _V8F32, [_V8F32] * 3)
-    lane_vector = b.and_(b.lshr(c0, _const(3)), _const(3))
-    for k, acc in enumerate(accs):
-        isum = _sum8_u4(b, [b.load(d) for d in dots[k]])
-        d8 = _load8(b, f.xs_rows[k], c0)  # xs rows hold 3 * chunks: in bounds
-        dsum8 = _load8(b, f.xs_rows[k], b.add(c0, f.ops.chunks))
-        slot = b.gep(acc, [_const(0), lane_vector])
-        old = b.load(slot)
-        new = b.call(fma, [b.fmul(s8, d8), b.sitofp(isum, _V8F32), old])
-        b.store(b.select(mask, b.call(fma, [b8, dsum8, new]), old), slot)
+        scales = (_lane_gather(b, f.scales, groups), _lane_gather(b, f.biases, groups))
+    isums = [_sum8_u4(b, [b.load(d) for d in row_dots]) for row_dots in dots]
+    _block_floats(b, f, accs, c0, scales, isums, mask)
 
 
 def _emit_tail(
