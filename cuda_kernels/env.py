@@ -161,6 +161,14 @@ if SIMULATOR:
         return np.float32(np.array(x, dtype=np.int32).view(np.float32))
 
     @cuda.jit(device=True)
+    def mul_rn(a, b):
+        return np.float32(np.float32(a) * np.float32(b))
+
+    @cuda.jit(device=True)
+    def add_rn(a, b):
+        return np.float32(np.float32(a) + np.float32(b))
+
+    @cuda.jit(device=True)
     def _shfl_xor(v, offset):
         # The simulator has no shuffles: exchange through one shared buffer. Every
         # thread of the block must call this (our kernels only reduce in uniform flow).
@@ -182,6 +190,16 @@ else:
     @cuda.jit(device=True, inline=True)
     def int_as_float(x):
         return libdevice.int_as_float(x)
+
+    @cuda.jit(device=True, inline=True)
+    def mul_rn(a, b):
+        """a * b rounded to float32, never contracted with an add into an FMA."""
+        return libdevice.fmul_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def add_rn(a, b):
+        """a + b rounded to float32, never contracted with a multiply into an FMA."""
+        return libdevice.fadd_rn(a, b)
 
     @cuda.jit(device=True, inline=True)
     def _shfl_xor(v, offset):

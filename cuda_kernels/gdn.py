@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from cuda_kernels.env import kernel, warp_sum
+from cuda_kernels.env import add_rn, kernel, mul_rn, warp_sum
 
 MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
 MAX_CONV_HISTORY = 8  # K - 1 of a frozen lane's conv history held by a thread
@@ -395,3 +395,24 @@ def sigmoid_gate_mul(attn, gate, out, stream=0) -> None:
     count = attn.shape[0] * attn.shape[1]
     threads = _ELEMENTWISE_THREADS
     _sigmoid_gate_mul_kernel[_blocks(count, threads), threads, stream](attn, gate, out)
+
+
+@kernel
+def _shared_expert_add_kernel(h, routed, shared, gate):
+    idx = cuda.grid(1)
+    width = h.shape[1]
+    if idx >= h.shape[0] * width:
+        return
+    r = idx // width
+    c = idx % width
+    gated = mul_rn(shared[r, c], _sigmoid(gate[r, 0]))  # sigmoid_gate_mul's product, rounded
+    h[r, c] = add_rn(h[r, c], add_rn(routed[r, c], gated))
+
+
+def shared_expert_add(h, routed, shared, gate, stream=0) -> None:
+    """h += routed + shared * sigmoid(gate) in place: h, routed, shared [rows, H], gate [rows, 1].
+    The bits of sigmoid_gate_mul(shared, gate broadcast), then routed + shared, then h + that
+    (each step rounded to float32: no FMA contraction)."""
+    count = h.shape[0] * h.shape[1]
+    threads = _ELEMENTWISE_THREADS
+    _shared_expert_add_kernel[_blocks(count, threads), threads, stream](h, routed, shared, gate)

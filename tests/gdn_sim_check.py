@@ -117,12 +117,26 @@ def check_small_kernels() -> None:
     _both("sigmoid_gate_mul", attn, gate, outs=[np.empty_like(attn)])
 
 
+def check_shared_expert_add() -> None:
+    rng = np.random.default_rng(15)
+    h, routed, shared = (rng.standard_normal((3, 40)).astype(np.float32) for _ in range(3))
+    gate = (4 * rng.standard_normal((3, 1))).astype(np.float32)
+    got, want = h.copy(), h.copy()
+    cuda_gdn.shared_expert_add(got, routed, shared, gate)
+    cpu_gdn.shared_expert_add(want, routed, shared, gate)
+    np.testing.assert_allclose(got, want, **TOL, err_msg="shared_expert_add")
+    gated = np.empty_like(shared)  # the ops it fuses, in the same (simulated) kernels
+    cuda_gdn.sigmoid_gate_mul(shared, np.ascontiguousarray(np.broadcast_to(gate, shared.shape)), gated)
+    assert np.array_equal(got, h + (routed + gated)), "shared_expert_add != its basic ops"
+
+
 def main() -> None:
     check_delta()
     check_delta(3, 1, 2, 72, 40)  # three warps (the last one partly past dk), two column blocks
     check_delta_batch()
     check_conv()
     check_small_kernels()
+    check_shared_expert_add()
     print("gdn simulator checks passed")
 
 

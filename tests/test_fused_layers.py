@@ -79,3 +79,43 @@ def test_concat_linears_refuses_mixed_kinds() -> None:
     assert ops.concat_linears([q4(rng, 8), quantize_affine(np.ones((8, H), np.float32), 8, 64)]) is None
     whole, views = ops.concat_linears([dense, dense])
     assert whole.w.shape == (16, H) and np.array_equal(views[1].w, dense.w)
+
+
+def stacked_q4(rng: np.random.Generator, experts: int, out_f: int) -> AffineWeight:
+    parts = [q4(rng, out_f) for _ in range(experts)]
+    return AffineWeight(*(np.stack([getattr(p, n) for p in parts]) for n in ("codes", "scales", "biases")),
+                        4, 64)
+
+
+def test_stacked_experts_concatenate_per_expert() -> None:
+    """[gate; up] of each expert of a stack: the views are the stacks given, and expert e's
+    rows of the concatenation are its gate rows, then its up rows (the swiglu epilogue's
+    layout); stacks of different expert counts are not fused."""
+    rng = np.random.default_rng(2)
+    gate, up = stacked_q4(rng, 3, 16), stacked_q4(rng, 3, 16)
+    whole, (gate_view, up_view) = NumpyFusingOps().concat_linears([gate, up])
+    assert whole.codes.shape == (3, 32, gate.codes.shape[2]) and same(gate_view, gate) and same(up_view, up)
+    for e in range(3):
+        assert same(whole.expert(e), AffineWeight(*(np.concatenate([getattr(w.expert(e), n) for w in (gate, up)])
+                                                    for n in ("codes", "scales", "biases")), 4, 64))
+    assert gate_view.codes.base is whole.codes
+    assert NumpyFusingOps().concat_linears([gate, stacked_q4(rng, 2, 16)]) is None
+    assert NumpyFusingOps().concat_linears([gate, q4(rng, 16)]) is None
+
+
+def test_hybrid_mixers_fuse_their_input_projections() -> None:
+    from tf_async.models.qwen35 import DeltaNetWeights, GatedAttentionWeights, _fuse_inputs
+
+    rng = np.random.default_rng(3)
+    norm = np.ones(8, np.float32)
+    parts = {"in_qkv": q4(rng, 48), "in_z": q4(rng, 32), "in_a": q4(rng, 4), "in_b": q4(rng, 4)}
+    mixer = DeltaNetWeights(**parts, conv=np.ones((48, 4), np.float32), a_log=norm[:4], dt_bias=norm[:4],
+                            norm=norm, out=q4(rng, H))
+    _fuse_inputs(mixer, NumpyFusingOps())
+    assert mixer.in_proj is not None and mixer.in_proj.out_features == 88
+    for name, original in parts.items():
+        assert same(getattr(mixer, name), original) and getattr(mixer, name).codes.base is mixer.in_proj.codes
+    attn = GatedAttentionWeights(q=q4(rng, 64), k=q4(rng, 16), v=DenseWeight(np.ones((16, H), np.float32)),
+                                 o=q4(rng, H), q_norm=norm, k_norm=norm)
+    _fuse_inputs(attn, NumpyFusingOps())
+    assert attn.qkv is None  # mixed kinds: three launches as before

@@ -259,6 +259,20 @@ def test_gated_rms_norm_and_attention_gate_match_reference():
     np.testing.assert_allclose(gated, attn * ref.sigmoid(gate.astype(np.float64)), **ONE_PASS_TOL)
 
 
+def test_shared_expert_add_has_the_bits_of_its_basic_ops():
+    """h += routed + shared * sigmoid(gate) in one pass == sigmoid_gate_mul on the broadcast
+    gate, then routed + shared, then h + that (what the MoE layer did op by op)."""
+    rng = np.random.default_rng(16)
+    h, routed, shared = (rng.standard_normal((5, 48)).astype(np.float32) for _ in range(3))
+    gate = (3 * rng.standard_normal((5, 1))).astype(np.float32)
+    got = h.copy()
+    gdn.shared_expert_add(got, routed, shared, gate)
+    gated = np.empty_like(shared)
+    gdn.sigmoid_gate_mul(shared, np.ascontiguousarray(np.broadcast_to(gate, shared.shape)), gated)
+    assert np.array_equal(got, h + (routed + gated))
+    assert not np.array_equal(got, (h + routed) + gated)  # the order shows in the bits
+
+
 # ---------------------------------------------------------------------------------------
 # CUDA twins (simulator)
 

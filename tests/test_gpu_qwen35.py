@@ -391,6 +391,62 @@ def test_gated_attention_kernels(dev, rng, model, rows) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# the hybrid layer's fused launches (CudaOps) against the ops they replace, bit for bit
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_hybrid_ops_give_the_bits_of_the_ops_they_replace(gpu, rng, monkeypatch, rows) -> None:
+    """shared_expert_add == sigmoid_gate_mul on the broadcast gate, + routed, + h; moe with the
+    experts' [gate; up] fused (one swiglu launch; sorted path at 300 rows) == gate and up apart;
+    rms_norm_for + one matmul on the concatenated GDN inputs == the four matmuls on rms_norm's
+    rows; linear_into == h + linear."""
+    from tf_async.backend import cuda_ops
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.backend.weights import DenseWeight, quantize_affine
+
+    ops, f32, hidden = CudaOps(), np.float32, 512
+    h, routed, shared = (rng.standard_normal((rows, hidden)).astype(f32) for _ in range(3))
+    gate = (3 * rng.standard_normal((rows, 1))).astype(f32)
+    got = ops.asarray(h)
+    ops.shared_expert_add(got, ops.asarray(routed), ops.asarray(shared), ops.asarray(gate))
+    gated = ops.asarray(shared)
+    ops.sigmoid_gate_mul(gated, ops.asarray(np.repeat(gate, hidden, axis=1)))
+    want = ops.asarray(h) + (ops.asarray(routed) + gated)
+    assert np.array_equal(ops.to_host(got), ops.to_host(want))
+
+    experts, inter, top_k = 16, 128, 4
+    router = DenseWeight(rng.standard_normal((experts, hidden)).astype(f32))
+    e_gate, e_up = (ops.upload_linear(quantize_affine(
+        rng.standard_normal((experts, inter, hidden)).astype(f32), 4, 64)) for _ in range(2))
+    down = ops.upload_linear(quantize_affine(rng.standard_normal((experts, hidden, inter)).astype(f32), 4, 64))
+    router = ops.upload_linear(router)
+    fused = ops.concat_linears([e_gate, e_up])
+    assert fused is not None
+    x = ops.asarray(rng.standard_normal((rows, hidden)).astype(f32))
+    apart = ops.to_host(ops.moe(x, router, e_gate, e_up, down, top_k, True))
+    together = ops.to_host(ops.moe(x, router, *fused[1], down, top_k, True, gate_up=fused[0]))
+    assert np.array_equal(apart, together)
+    monkeypatch.setattr(cuda_ops, "MOE_SORTED_MIN_SLOTS", 1 << 30)  # every row one slot a row
+    assert np.array_equal(ops.to_host(ops.moe(x, router, *fused[1], down, top_k, True,
+                                              gate_up=fused[0])), together)
+
+    norm = (1 + 0.1 * rng.standard_normal(hidden)).astype(f32)
+    widths = [96, 64, 8, 8]
+    parts = [ops.upload_linear(quantize_affine(rng.standard_normal((n, hidden)).astype(f32), 4, 64))
+             for n in widths]
+    whole, _ = ops.concat_linears(parts)
+    hx = ops.asarray(h)
+    one = ops.to_host(ops.linear(ops.rms_norm_for(hx, ops.asarray(norm), 1e-6, whole), whole))
+    normed = ops.rms_norm(hx, ops.asarray(norm), 1e-6)
+    assert np.array_equal(one, np.concatenate([ops.to_host(ops.linear(normed, p)) for p in parts], axis=1))
+    into = ops.asarray(routed)
+    out_w = ops.upload_linear(quantize_affine(rng.standard_normal((hidden, 96)).astype(f32), 4, 64))
+    y = ops.asarray(rng.standard_normal((rows, 96)).astype(f32))
+    ops.linear_into(y, out_w, into)
+    assert np.array_equal(ops.to_host(into), routed + ops.to_host(ops.linear(y, out_w)))
+
+
+# ---------------------------------------------------------------------------------------
 # the engine and the hybrid decoder on the GPU (tiny checkpoints)
 
 

@@ -79,11 +79,10 @@ class MtpHead:
                            w.pre_fc_norm_embedding, eps)
         hid = ops.rms_norm(batch.hidden_in, w.pre_fc_norm_hidden, eps)
         u = ops.linear(ops.xp.concatenate([emb, hid], axis=-1), w.fc)  # embedding first
-        layer = w.layer
-        a = ops.rms_norm(u, layer.input_norm, eps)
         scales = self._unit_scales if kv_scales is None else kv_scales
-        u = u + self.decoder.attention(layer.mixer, a, batch, kv, 0, scales)  # type: ignore[arg-type]
-        u = u + self.decoder.ffn(layer.ffn, ops.rms_norm(u, layer.post_norm, eps))
+        # u += attention, then u += ffn, in place (the trunk's fused layer ops; the bits of u + term)
+        self.decoder.layer_mixer_into(w.layer, 0, u, batch, kv, scales, None, None)
+        self.decoder.layer_ffn_into(w.layer, u)
         out = ops.rms_norm(u, w.norm, eps)
         rows = out[batch.logit_rows]
         return ops.linear(rows, self.weights.lm_head), out if all_hidden else rows

@@ -91,6 +91,7 @@ class GatedAttentionWeights:
     o: Linear  # [H, nh*hd]
     q_norm: Array  # [hd] (1 + w folded)
     k_norm: Array  # [hd]
+    qkv: FusedLinear | None = None  # [q; k; v] on the device (HybridDecoder: one launch)
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class DeltaNetWeights:
     dt_bias: Array  # [Hv] float32
     norm: Array  # [dv] plain weight (N3, never shifted)
     out: Linear  # [H, Hv*dv]
+    in_proj: FusedLinear | None = None  # [in_qkv; in_z; in_a; in_b] (HybridDecoder: one launch)
 
 
 @dataclass(slots=True)
@@ -125,6 +127,7 @@ class MoeFfnWeights:
     shared_down: Linear  # [H, Is]
     shared_expert_gate: Linear  # [1, H]
     shared_gate_up: FusedLinear | None = None  # [shared_gate; shared_up] (one launch)
+    experts_gate_up: FusedLinear | None = None  # stacked [E, 2 Im, H]: each expert's [gate; up]
 
 
 FfnWeights = DenseFfnWeights | MoeFfnWeights
@@ -431,6 +434,7 @@ class HybridDecoder:
         mtp = self.weights.mtp
         for layer in [*self.weights.layers, *([mtp.layer] if mtp is not None else [])]:
             _fuse_gate_up(layer.ffn, ops)
+            _fuse_inputs(layer.mixer, ops)
         inv_freq, self.mscale = rope_tables(self.config, None)
         self.inv_freq = ops.asarray(inv_freq)
         self.sm_scale = 1.0 / math.sqrt(self.config.head_dim)
@@ -455,9 +459,9 @@ class HybridDecoder:
         ops, w = self.ops, self.weights
         h = ops.embed(w.embed, batch.token_ids)
         captured: dict[int, Array] = {}  # batch.capture_layers' outputs
-        for index in range(len(w.layers)):
-            h = h + self.mixer_term(index, h, batch, kv, kv_scales, states, row_lanes)
-            h = h + self.ffn_term(index, h)
+        for index in range(len(w.layers)):  # h += each term in place (the bits of h + term)
+            self.mixer_into(index, h, batch, kv, kv_scales, states, row_lanes)
+            self.ffn_into(index, h)
             captured_rows(ops, batch, index, h, captured)
         return self.head(h, batch, captured, all_hidden=all_hidden)
 
@@ -472,10 +476,47 @@ class HybridDecoder:
             return self.deltanet(layer.mixer, a, states, slot, row_lanes)
         return self.attention(layer.mixer, a, batch, kv, slot, kv_scales)
 
+    def mixer_into(self, index: int, h: Array, batch: ForwardBatch, kv: Array, kv_scales: Array,
+                   states: RecurrentStates | None, row_lanes: Array | None) -> None:
+        """h += mixer_term(...) in place, in fewer launches on CUDA: the input norm written in
+        the form the fused input projection multiplies, the output projection adding into h."""
+        self.layer_mixer_into(self.weights.layers[index], self.hybrid.state_index(index), h, batch,
+                              kv, kv_scales, states, row_lanes)
+
+    def layer_mixer_into(self, layer: HybridLayerWeights, slot: int, h: Array, batch: ForwardBatch,
+                         kv: Array, kv_scales: Array, states: RecurrentStates | None,
+                         row_lanes: Array | None) -> None:
+        """mixer_into for any layer (the MTP head's too): slot = its state or KV layer."""
+        ops, mixer = self.ops, layer.mixer
+        fused = mixer.in_proj if isinstance(mixer, DeltaNetWeights) else mixer.qkv
+        eps = self.config.rms_norm_eps
+        a = (ops.rms_norm(h, layer.input_norm, eps) if fused is None
+             else ops.rms_norm_for(h, layer.input_norm, eps, fused))
+        if isinstance(mixer, DeltaNetWeights):
+            assert states is not None and row_lanes is not None, "a GDN layer needs its states"
+            ops.linear_into(self.deltanet_rows(mixer, a, states, slot, row_lanes), mixer.out, h)
+        else:
+            ops.linear_into(self.attention_rows(mixer, a, batch, kv, slot, kv_scales), mixer.o, h)
+
     def ffn_term(self, index: int, h: Array) -> Array:
         """Trunk layer `index`'s FFN output [rows, H] from the residual h (post norm included)."""
         layer = self.weights.layers[index]
         return self.ffn(layer.ffn, self.ops.rms_norm(h, layer.post_norm, self.config.rms_norm_eps))
+
+    def ffn_into(self, index: int, h: Array) -> None:
+        """h += ffn_term(index, h) in place: a dense SwiGLU's down projection adds into h; MoE's
+        routed and gated shared outputs join h in one launch on CUDA (shared_expert_add)."""
+        self.layer_ffn_into(self.weights.layers[index], h)
+
+    def layer_ffn_into(self, layer: HybridLayerWeights, h: Array) -> None:
+        """ffn_into for any layer (the MTP head's too)."""
+        ops, eps, w = self.ops, self.config.rms_norm_eps, layer.ffn
+        if isinstance(w, DenseFfnWeights):
+            x = (ops.rms_norm(h, layer.post_norm, eps) if w.gate_up is None
+                 else ops.rms_norm_for(h, layer.post_norm, eps, w.gate_up))
+            ops.linear_into(self._swiglu(x, w.gate, w.up, w.gate_up), w.down, h)
+            return
+        ops.shared_expert_add(h, *self._moe_parts(w, ops.rms_norm(h, layer.post_norm, eps)))
 
     def head(self, h: Array, batch: ForwardBatch, captured: dict[int, Array], *,
              all_hidden: bool = False) -> tuple[Array, Array]:
@@ -522,16 +563,28 @@ class HybridDecoder:
         """One GDN layer (state slot `slot`) over rows of any streams (docs/QWEN35.md section
         4). a: [rows, H]; the lanes' conv and delta states advance, except frozen lanes'
         (whose rows are stashed for `commit_states`)."""
+        return self.ops.linear(self.deltanet_rows(w, a, states, slot, row_lanes), w.out)
+
+    def deltanet_rows(self, w: DeltaNetWeights, a: Array, states: RecurrentStates, slot: int,
+                      row_lanes: Array) -> Array:
+        """deltanet(...) before its output projection: [rows, Hv*dv]. a: the normed rows, in
+        the form w.in_proj multiplies when the inputs are fused (rms_norm_for)."""
         hyb, ops = self.hybrid, self.ops
         rows = a.shape[0]
         hv, dv = hyb.linear_num_value_heads, hyb.linear_value_head_dim
-        qkv = ops.linear(a, w.in_qkv)
-        g, beta = ops.gdn_gates(ops.linear(a, w.in_a), ops.linear(a, w.in_b), w.a_log, w.dt_bias)
+        qkv, z, in_a, in_b = self._deltanet_inputs(w, a)
+        g, beta = ops.gdn_gates(in_a, in_b, w.a_log, w.dt_bias)
         states.stash(slot, qkv, g, beta)
         o = self._delta_rule(w, qkv, g, beta, states, slot, row_lanes, states.frozen)
-        z = ops.linear(a, w.in_z).reshape(rows, hv, dv)
-        y = ops.gated_rms_norm(o, z, w.norm, self.config.rms_norm_eps)
-        return ops.linear(y.reshape(rows, hv * dv), w.out)
+        y = ops.gated_rms_norm(o, z.reshape(rows, hv, dv), w.norm, self.config.rms_norm_eps)
+        return y.reshape(rows, hv * dv)
+
+    def _deltanet_inputs(self, w: DeltaNetWeights, a: Array) -> list[Array]:
+        """The input projections qkv, z, a, b of the normed rows: one matmul when fused."""
+        parts = (w.in_qkv, w.in_z, w.in_a, w.in_b)
+        if w.in_proj is None:
+            return [self.ops.linear(a, p) for p in parts]
+        return split_columns(self.ops, self.ops.linear(a, w.in_proj), [p.out_features for p in parts])
 
     def _delta_rule(self, w: DeltaNetWeights, qkv: Array, g: Array, beta: Array,
                     states: RecurrentStates, slot: int, row_lanes: Array, frozen: Array) -> Array:
@@ -579,11 +632,22 @@ class HybridDecoder:
     def attention(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
                   kv_layer: int, kv_scales: Array) -> Array:
         """Gated full attention (MODELS.md 5.4) writing K/V into arena layer `kv_layer`."""
+        return self.ops.linear(self.attention_rows(w, a, batch, kv, kv_layer, kv_scales), w.o)
+
+    def attention_rows(self, w: GatedAttentionWeights, a: Array, batch: ForwardBatch, kv: Array,
+                       kv_layer: int, kv_scales: Array) -> Array:
+        """attention(...) before its output projection: the gated rows [rows, nh*hd]. a: the
+        normed rows, in the form w.qkv multiplies when q, k, v are fused (rms_norm_for)."""
         ops, cfg = self.ops, self.config
         rows, nh, hd = a.shape[0], cfg.num_heads, cfg.head_dim
-        q, gate = ops.split_query_gate(ops.linear(a, w.q), nh, hd)
-        k = ops.linear(a, w.k).reshape(rows, cfg.num_kv_heads, hd)
-        v = ops.linear(a, w.v).reshape(rows, cfg.num_kv_heads, hd)
+        if w.qkv is None:
+            qg, k, v = (ops.linear(a, p) for p in (w.q, w.k, w.v))
+        else:
+            qg, k, v = split_columns(ops, ops.linear(a, w.qkv),
+                                     [p.out_features for p in (w.q, w.k, w.v)])
+        q, gate = ops.split_query_gate(qg, nh, hd)
+        k = k.reshape(rows, cfg.num_kv_heads, hd)
+        v = v.reshape(rows, cfg.num_kv_heads, hd)
         q = ops.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
         k = ops.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         ops.rope(q, batch.positions, self.inv_freq, self.mscale)
@@ -592,7 +656,7 @@ class HybridDecoder:
         o = ops.attention(q, kv, kv_layer, kv_scales, batch.block_table, batch.row_seq,
                           batch.positions, batch.page_size, self.sm_scale).reshape(rows, nh * hd)
         ops.sigmoid_gate_mul(o, gate)
-        return ops.linear(o, w.o)
+        return o
 
     def _swiglu(self, x: Array, gate: Linear, up: Linear, gate_up: FusedLinear | None) -> Array:
         """silu(x @ gate.T) * (x @ up.T): one launch when the two are fused (the same bits)."""
@@ -606,15 +670,21 @@ class HybridDecoder:
         ops = self.ops
         if isinstance(w, DenseFfnWeights):
             return ops.linear(self._swiglu(x, w.gate, w.up, w.gate_up), w.down)
-        routed = ops.moe(x, w.router, w.experts_gate, w.experts_up, w.experts_down,
-                         self.config.num_experts_per_tok, True)
-        shared = ops.linear(self._swiglu(x, w.shared_gate, w.shared_up, w.shared_gate_up),
-                            w.shared_down)
+        routed, shared, gate_logit = self._moe_parts(w, x)
         xp = ops.xp  # the [rows, 1] gate broadcast over H, then the kernel's sigmoid multiply
-        gate = xp.ascontiguousarray(xp.broadcast_to(ops.linear(x, w.shared_expert_gate),
-                                                    shared.shape))
+        gate = xp.ascontiguousarray(xp.broadcast_to(gate_logit, shared.shape))
         ops.sigmoid_gate_mul(shared, gate)
         return routed + shared
+
+    def _moe_parts(self, w: MoeFfnWeights, x: Array) -> tuple[Array, Array, Array]:
+        """An MoE FFN's routed output, shared expert output (before its gate) [rows, H] and
+        the shared expert's gate logit [rows, 1], of the normed rows x."""
+        ops = self.ops
+        routed = ops.moe(x, w.router, w.experts_gate, w.experts_up, w.experts_down,
+                         self.config.num_experts_per_tok, True, gate_up=w.experts_gate_up)
+        shared = ops.linear(self._swiglu(x, w.shared_gate, w.shared_up, w.shared_gate_up),
+                            w.shared_down)
+        return routed, shared, ops.linear(x, w.shared_expert_gate)
 
 
 def _fuse_gate_up(ffn: FfnWeights, ops: Ops) -> None:
@@ -629,6 +699,32 @@ def _fuse_gate_up(ffn: FfnWeights, ops: Ops) -> None:
         fused = ops.concat_linears([ffn.shared_gate, ffn.shared_up])
         if fused is not None:
             ffn.shared_gate_up, (ffn.shared_gate, ffn.shared_up) = fused[0], fused[1]
+        experts = ops.concat_linears([ffn.experts_gate, ffn.experts_up])
+        if experts is not None:
+            ffn.experts_gate_up, (ffn.experts_gate, ffn.experts_up) = experts[0], experts[1]
+
+
+def _fuse_inputs(mixer: GatedAttentionWeights | DeltaNetWeights, ops: Ops) -> None:
+    """Concatenate the projections a mixer applies to its normed input (GDN: in_qkv, in_z,
+    in_a, in_b; attention: q, k, v) on the device, as _fuse_gate_up does."""
+    if isinstance(mixer, DeltaNetWeights):
+        fused = ops.concat_linears([mixer.in_qkv, mixer.in_z, mixer.in_a, mixer.in_b])
+        if fused is not None:
+            mixer.in_proj, (mixer.in_qkv, mixer.in_z, mixer.in_a, mixer.in_b) = fused[0], fused[1]
+        return
+    fused = ops.concat_linears([mixer.q, mixer.k, mixer.v])
+    if fused is not None:
+        mixer.qkv, (mixer.q, mixer.k, mixer.v) = fused[0], fused[1]
+
+
+def split_columns(ops: Ops, rows: Array, widths: list[int]) -> list[Array]:
+    """rows [n, sum(widths)] cut into C-contiguous column blocks of the given widths (a copy
+    only when n > 1: one row's block is already contiguous)."""
+    parts, start = [], 0
+    for width in widths:
+        parts.append(ops.xp.ascontiguousarray(rows[:, start:start + width]))
+        start += width
+    return parts
 
 
 def commit_indices(commits: tuple[tuple[int, int], ...], stash_rows: int

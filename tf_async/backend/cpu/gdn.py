@@ -291,3 +291,15 @@ def sigmoid_gate_mul(attn, gate, out):
     for r in range(attn.shape[0]):
         for c in range(attn.shape[1]):
             out[r, c] = attn[r, c] * _sigmoid(gate[r, c])
+
+
+@njit(nogil=True, cache=True)
+def shared_expert_add(h, routed, shared, gate):
+    """h += routed + shared * sigmoid(gate) in place: h, routed, shared [rows, H], gate
+    [rows, 1]; each product and sum rounded to float32 in that order (the bits of
+    sigmoid_gate_mul, then routed + shared, then h + that)."""
+    for r in range(h.shape[0]):
+        s = _sigmoid(gate[r, 0])
+        for c in range(h.shape[1]):
+            gated = np.float32(shared[r, c] * s)
+            h[r, c] = h[r, c] + np.float32(routed[r, c] + gated)

@@ -236,10 +236,11 @@ class CpuOps:
 
     # ------------------------------------------------------------------ MoE
     def moe(self, x: np.ndarray, router: Linear, gate: Linear, up: Linear, down: Linear,
-            top_k: int, norm_topk_prob: bool) -> np.ndarray:
+            top_k: int, norm_topk_prob: bool, *, gate_up: FusedLinear | None = None) -> np.ndarray:
         """Top-k mixture of SwiGLU experts. x [rows, H]; gate/up/down stacked [E, ...].
         Each expert's rows go through the same matmul kernels; a row's expert outputs are
-        summed in slot order j = 0..k-1, so the sum never depends on other rows."""
+        summed in slot order j = 0..k-1, so the sum never depends on other rows. gate_up
+        (the parts gate and up) adds nothing here."""
         check_array(x, "moe x", np.float32, 2)
         logits = self.linear(x, router)
         num_experts = logits.shape[1]
@@ -365,6 +366,15 @@ class CpuOps:
 
     def sigmoid_gate_mul(self, x: np.ndarray, gate: np.ndarray) -> None:
         gdn.sigmoid_gate_mul(x, gate, x)
+
+    def shared_expert_add(self, h: np.ndarray, routed: np.ndarray, shared: np.ndarray,
+                          gate: np.ndarray) -> None:
+        for name, array in (("h", h), ("routed", routed), ("shared", shared)):
+            check_array(array, f"shared_expert_add {name}", np.float32, 2)
+            check_shape(array, f"shared_expert_add {name}", h.shape)
+        check_array(gate, "shared_expert_add gate", np.float32, 2)
+        check_shape(gate, "shared_expert_add gate", (h.shape[0], 1))
+        gdn.shared_expert_add(h, routed, shared, gate)
 
 
 class _MatmulPlan:
