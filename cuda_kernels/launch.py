@@ -40,7 +40,7 @@ def _grid_1d(total: int, threads: int) -> int:
 
 
 def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None, *, path=None, grouped=False,  # noqa: E501
-           epilogue="store", xq=None, xs=None, x_ready=False) -> None:
+           epilogue="store", xq=None, xs=None, x_ready=False, x_repeat=1) -> None:
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
     placeholder int32 array). path: 'few', 'many', 'mma' (the tensor cores: int8-x weights,
@@ -50,7 +50,8 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
     (scratch; None: allocated here), then the qdot kernel. x_ready: xq and xs already hold x
-    (rms_norm_quantize wrote them; x is not read and may be None)."""
+    (rms_norm_quantize wrote them; x is not read and may be None). x_repeat (grouped int8-x
+    weights only): out row r multiplies x row r // x_repeat (x holds each MoE token once)."""
     rows, out_features = out.shape
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
@@ -60,6 +61,10 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     int8_x = uses_int8_x(kind, w, group_size)
     if x_ready and not (int8_x and xq is not None and xs is not None):
         raise ValueError("matmul: x_ready needs xq and xs, and a weight that takes int8 x")
+    if x_repeat != 1 and not (int8_x and grouped and path == "few"):
+        raise ValueError("matmul: x_repeat takes grouped rows of int8-x weights on the few-rows path")
+    if (xq if x_ready else x).shape[0] * x_repeat != rows:
+        raise ValueError(f"matmul: {rows} out rows from x rows times x_repeat {x_repeat}")
     if path == "mma" and not int8_x:
         raise ValueError(f"matmul: the tensor-core path takes int8-x affine weights, not {kind}")
     if int8_x:
@@ -75,7 +80,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
             _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)
             return
         variant = _qd.plan(rows, w.shape[1], path, grouped)
-        kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue)
+        kernel = _qd.qdot_kernel(kind, variant, group_size // _qd.CHUNK, grouped, epilogue, x_repeat)
         grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
         _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, expert_ids, out)
         return
@@ -265,6 +270,10 @@ def silu_mul(gate, up, out, stream=None) -> None:
 
 
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights, stream=None) -> None:
+    """out_ids, out_weights [rows, top_k]: each row's top_k experts (cuda_kernels/moe.py); top_k
+    at most moe.ROUTE_MAX_TOP_K (a lane of the row's warp holds each pick)."""
+    if top_k > _moe.ROUTE_MAX_TOP_K:
+        raise ValueError(f"moe_route: top_k {top_k} is more than the kernel's {_moe.ROUTE_MAX_TOP_K}")
     threads = 32 * _moe.ROUTE_WARPS
     grid = _grid_1d(logits.shape[0], _moe.ROUTE_WARPS)
     _go(_moe.moe_route, grid, threads, stream, logits, top_k, norm_topk_prob, out_ids, out_weights)
@@ -276,8 +285,37 @@ def moe_combine(expert_out, weights, out, stream=None) -> None:
     _go(_moe.moe_combine, grid, threads, stream, expert_out, weights, out)
 
 
-def argmax(logits, out, stream=None) -> None:
-    _go(_smp.argmax, (logits.shape[0],), _smp.SAMPLE_THREADS, stream, logits, out)
+def argmax_scratch_shape(rows: int, vocab: int) -> tuple[int, int]:
+    """Shape (rows, parts) of argmax's scratch: part_values float32, part_ids int64."""
+    return rows, _smp.argmax_parts_for(vocab)
+
+
+def argmax(logits, out, stream=None, part_values=None, part_ids=None) -> None:
+    """out [rows] int64 = each row's largest logit's id (ties: the lowest; NaN never wins; a
+    row of NaN / -inf: 0), split: argmax_parts writes each part's best into part_values /
+    part_ids [rows, parts] (scratch; None: allocated here; any parts >= 1 gives the same
+    token, argmax_scratch_shape's is the one meant), then argmax_reduce picks the row's."""
+    rows, vocab = logits.shape
+    if (part_values is None) != (part_ids is None):
+        raise ValueError("argmax scratch: pass both part_values and part_ids, or neither")
+    if part_values is None:  # NumPy under the simulator, else Numba device arrays (freed when
+        # the launch returns: a graph capture must pass scratch that outlives its replays)
+        shape = argmax_scratch_shape(rows, vocab)
+        part_values = (_np.empty(shape, _np.float32) if _SIMULATOR
+                       else _cuda.device_array(shape, _np.float32, stream=stream or 0))
+        part_ids = (_np.empty(shape, _np.int64) if _SIMULATOR
+                    else _cuda.device_array(shape, _np.int64, stream=stream or 0))
+    if (len(part_values.shape) != 2 or part_values.shape[0] != rows or part_values.shape[1] < 1
+            or tuple(part_ids.shape) != tuple(part_values.shape) or part_values.dtype != _np.float32
+            or part_ids.dtype != _np.int64):
+        raise ValueError(f"argmax scratch: expected float32 and int64 [{rows}, parts >= 1], got "
+                         f"{part_values.dtype} {tuple(part_values.shape)} and {part_ids.dtype} "
+                         f"{tuple(part_ids.shape)}")
+    if rows:
+        _go(_smp.argmax_parts, (rows, part_values.shape[1]), _smp.SAMPLE_THREADS, stream, logits,
+            part_values, part_ids)
+        _go(_smp.argmax_reduce, (rows,), _smp.ARGMAX_REDUCE_THREADS, stream, part_values, part_ids,
+            _np.int64(vocab), out)
 
 
 def sample(logits, temperatures, top_ks, top_ps, seeds, positions, out, stream=None) -> None:

@@ -14,7 +14,10 @@ import numpy as np
 from cuda_kernels.env import _shfl_xor, cuda, kernel, warp_max
 
 ROUTE_WARPS = 4  # rows a block of moe_route: a warp a row
-ROUTE_SHARED = 512  # experts whose exp(logit - max) a warp keeps in shared memory
+ROUTE_SHARED = 512  # experts whose exp(logit - max) a warp keeps in shared memory (and in registers)
+ROUTE_PER_LANE = ROUTE_SHARED // 32  # of those, the ones a lane holds: experts lane, lane + 32, ...
+ROUTE_MAX_TOP_K = 32  # picks a row: lane j holds slot j's (the launcher refuses more)
+ROUTE_SUM_GROUP = 8  # lane 0's sum loads this many exps, then adds them in order
 COMBINE_THREADS = 128
 
 
@@ -29,47 +32,85 @@ def _better(w, e, best_w, best_e):
     return w > best_w or (w == best_w and e < best_e)
 
 
+@cuda.jit(device=True)
+def _sequential_sum(exps, warp, count):
+    """exps[warp, 0] + exps[warp, 1] + ... + exps[warp, count - 1], added one by one in that
+    order from 0.0; the loads go ROUTE_SUM_GROUP at a time ahead of their adds (in flight
+    together instead of one load, one add), the adds stay one dependent chain: the same bits."""
+    group = cuda.local.array(ROUTE_SUM_GROUP, np.float32)
+    total = np.float32(0.0)
+    full = count - count % ROUTE_SUM_GROUP
+    for base in range(0, full, ROUTE_SUM_GROUP):
+        for j in range(ROUTE_SUM_GROUP):
+            group[j] = exps[warp, base + j]
+        for j in range(ROUTE_SUM_GROUP):
+            total += group[j]
+    for e in range(full, count):
+        total += exps[warp, e]
+    return total
+
+
 @kernel
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
-    # logits: [rows, E] f32; out_ids: [rows, k] i32; out_weights: [rows, k] f32. A warp a row,
-    # with the bits of one thread doing it all: the max (exact in any order); the softmax's
-    # sum in ascending expert order (lane 0 adds the lanes' exps, kept in shared memory);
-    # then k picks, each the first in (weight descending, id ascending) order of the experts
-    # not yet picked (each lane's best, then a butterfly over the lanes: a total order, so
-    # every lane gets the same pick); the renormalisation sums the picks in slot order.
+    # logits: [rows, E] f32; out_ids: [rows, k] i32; out_weights: [rows, k] f32; k <= 32. A
+    # warp a row, with the bits of one thread doing it all: the max (exact in any order); the
+    # softmax's sum in ascending expert order (lane 0 adds the lanes' exps, kept in shared
+    # memory); then k picks, each the first in (weight descending, id ascending) order of the
+    # experts not yet picked (each lane's best, then a butterfly over the lanes: a total
+    # order, so every lane gets the same pick); the renormalisation sums the picks in slot
+    # order. Lane j keeps the first ROUTE_SHARED experts' logits, then weights, of ids j,
+    # j + 32, ... in registers (loaded at once), and slot j's pick; each output is written once.
     exps = cuda.shared.array((ROUTE_WARPS, ROUTE_SHARED), np.float32)
     total_sh = cuda.shared.array(ROUTE_WARPS, np.float32)
+    vals = cuda.local.array(ROUTE_PER_LANE, np.float32)  # logits, then exps, then weights
     warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
     row = cuda.blockIdx.x * ROUTE_WARPS + warp
     live = row < logits.shape[0]
     row = min(row, logits.shape[0] - 1)  # a warp past the last row joins the shuffles only
     num_experts = logits.shape[1]
+    shared = min(num_experts, ROUTE_SHARED)
+    for j in range(ROUTE_PER_LANE):  # every load first, then the max over them in id order
+        e = lane + 32 * j
+        vals[j] = logits[row, e] if e < shared else np.float32(0.0)
     m = logits[row, 0]
-    for e in range(lane, num_experts, 32):
+    for j in range(ROUTE_PER_LANE):
+        if lane + 32 * j < shared:
+            m = max(m, vals[j])
+    for e in range(ROUTE_SHARED + lane, num_experts, 32):
         m = max(m, logits[row, e])
     m = warp_max(m)
-    shared = min(num_experts, ROUTE_SHARED)
-    for e in range(lane, shared, 32):
-        exps[warp, e] = np.float32(math.exp(logits[row, e] - m))
+    for j in range(ROUTE_PER_LANE):
+        e = lane + 32 * j
+        if e < shared:
+            vals[j] = np.float32(math.exp(vals[j] - m))
+            exps[warp, e] = vals[j]
     cuda.syncthreads()  # every warp of the block is here (none returns early)
     if lane == 0:
-        total = np.float32(0.0)
-        for e in range(shared):
-            total += exps[warp, e]
+        total = _sequential_sum(exps, warp, shared)
         for e in range(shared, num_experts):
             total += np.float32(math.exp(logits[row, e] - m))
         total_sh[warp] = total
     cuda.syncthreads()
     inv_sum = np.float32(1.0) / total_sh[warp]
-    for e in range(lane, shared, 32):  # the weights, as _weight has them
-        exps[warp, e] = exps[warp, e] * inv_sum
+    for j in range(ROUTE_PER_LANE):  # the weights, as _weight has them
+        vals[j] = vals[j] * inv_sum
     prev_w = np.float32(np.inf)
     prev_e = -1
+    picked = np.float32(0.0)  # the picks' sum in slot order
+    mine_w = np.float32(0.0)  # slot `lane`'s pick
+    mine_e = -1
     for slot in range(top_k):
         best_w = np.float32(-1.0)
         best_e = num_experts
-        for e in range(lane, num_experts, 32):
-            w = exps[warp, e] if e < ROUTE_SHARED else _weight(logits, row, e, m, inv_sum)
+        for j in range(ROUTE_PER_LANE):  # ids ascending: lane + 32 j, then the rest
+            e = lane + 32 * j
+            if e < shared:
+                w = vals[j]
+                if _better(prev_w, prev_e, w, e) and _better(w, e, best_w, best_e):
+                    best_w = w
+                    best_e = e
+        for e in range(ROUTE_SHARED + lane, num_experts, 32):
+            w = _weight(logits, row, e, m, inv_sum)
             if _better(prev_w, prev_e, w, e) and _better(w, e, best_w, best_e):
                 best_w = w
                 best_e = e
@@ -81,17 +122,15 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
                 best_w = other_w
                 best_e = other_e
             offset //= 2
-        if live and lane == 0:
-            out_ids[row, slot] = best_e if best_e < num_experts else -1
-            out_weights[row, slot] = best_w
+        if lane == slot:
+            mine_w = best_w
+            mine_e = best_e
+        picked += best_w
         prev_w = best_w
         prev_e = best_e
-    if live and lane == 0 and norm_topk_prob:
-        picked = np.float32(0.0)
-        for slot in range(top_k):
-            picked += out_weights[row, slot]
-        for slot in range(top_k):
-            out_weights[row, slot] = out_weights[row, slot] / picked
+    if live and lane < top_k:
+        out_ids[row, lane] = mine_e if mine_e < num_experts else -1
+        out_weights[row, lane] = mine_w / picked if norm_topk_prob else mine_w
 
 
 @kernel

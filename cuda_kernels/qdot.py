@@ -237,7 +237,8 @@ def _make_chunk_math(kind: str, variant: mm.Variant, group_chunks: int):
     return chunk_math
 
 
-def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str):
+def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool, epilogue: str,
+                 x_repeat: int = 1):
     rows_tile, feats, unroll, warps = variant.rows_tile, variant.feats, variant.unroll, variant.warps
     wpc = WORDS_PER_CHUNK[kind]
     outs = feats // 2 if epilogue == "swiglu" else feats
@@ -263,6 +264,9 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
         refs(xq, w, scales, biases, expert, row0, feat0, x_rows, w_rows, s_rows, b_rows)
         for r in range(rows_tile):
             xs_rows[r] = mm._row2(xs, min(row0 + r, xs.shape[0] - 1))
+        if x_repeat > 1:  # grouped, one row a block: out row (slot) row0 multiplies x row row0 // k
+            x_rows[0] = mm._row2(xq, row0 // x_repeat)
+            xs_rows[0] = mm._row2(xs, row0 // x_repeat)
         acc = cuda.local.array(num_acc, np.float32)
         for a in range(num_acc):
             acc[a] = np.float32(0.0)
@@ -287,22 +291,26 @@ def _make_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: boo
     return qdot_k
 
 
-_KERNELS: dict[tuple[str, mm.Variant, int, bool, str], object] = {}
+_KERNELS: dict[tuple[str, mm.Variant, int, bool, str, int], object] = {}
 
 
 def qdot_kernel(kind: str, variant: mm.Variant, group_chunks: int, grouped: bool = False,
-                epilogue: str = "store"):
+                epilogue: str = "store", x_repeat: int = 1):
     """The kernel for affine `kind` ('q4', 'q8') and `variant`; group_chunks: chunks of 32
-    per scale group (a compile-time constant). As matmul.matmul_kernel otherwise."""
+    per scale group (a compile-time constant). As matmul.matmul_kernel otherwise. x_repeat
+    (grouped only): out row r multiplies x row r // x_repeat (MoE slots of one token: the
+    token's row once in x instead of top_k copies; the same products, so the same bits)."""
     if kind not in WORDS_PER_CHUNK or group_chunks < 1:
         raise ValueError(f"qdot: kind {kind!r}, {group_chunks} chunks a group")
     if grouped and variant.rows_tile != 1:
         raise ValueError("grouped (MoE) matmul runs one row per block")
+    if x_repeat < 1 or (x_repeat > 1 and not grouped):
+        raise ValueError(f"qdot: x_repeat {x_repeat} (> 1 only for grouped rows)")
     if epilogue not in mm.EPILOGUES or (epilogue == "swiglu" and variant.feats % 2):
         raise ValueError(f"matmul epilogue {epilogue!r} with {variant.feats} features a warp")
-    key = (kind, variant, group_chunks, grouped, epilogue)
+    key = (kind, variant, group_chunks, grouped, epilogue, x_repeat)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, grouped, epilogue)
+        _KERNELS[key] = _make_kernel(kind, variant, group_chunks, grouped, epilogue, x_repeat)
     return _KERNELS[key]
 
 

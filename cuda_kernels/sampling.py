@@ -1,6 +1,6 @@
-"""Token choice on the device: greedy argmax and seeded top-k / top-p sampling, one block
-(SAMPLE_THREADS threads) per row, so logits never travel to the host and a row's token never
-depends on the other rows.
+"""Token choice on the device: greedy argmax (split over blocks: argmax_parts, then
+argmax_reduce) and seeded top-k / top-p sampling (one block of SAMPLE_THREADS threads per row),
+so logits never travel to the host and a row's token never depends on the other rows.
 
 Randomness: a counter-based hash of (seed, position), all arithmetic mod 2**64:
     mix64(z):  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
@@ -74,6 +74,38 @@ def _key(z):
     return bits
 
 
+@cuda.jit(device=True, inline=True)
+def _before(v, i, best_v, best_i):
+    """(v, i) comes before (best_v, best_i): value descending, then id ascending; a NaN value
+    never comes before anything. Over non-NaN values a total order (ids are distinct), so the
+    first pair of a set is the same whatever the order or the grouping it is searched in."""
+    return v > best_v or (v == best_v and i < best_i)
+
+
+@cuda.jit(device=True)
+def _tree_best(vbuf, ibuf, best_v, best_i, threads):
+    # The first (value, id) of the block's `threads` threads' pairs (vbuf, ibuf: shared memory
+    # of `threads` entries, a power of two); every thread gets it, and the buffers are free again.
+    tid = cuda.threadIdx.x
+    vbuf[tid] = best_v
+    ibuf[tid] = best_i
+    cuda.syncthreads()
+    stride = threads // 2
+    while stride > 0:
+        if tid < stride:
+            ov = vbuf[tid + stride]
+            oi = ibuf[tid + stride]
+            if _before(ov, oi, vbuf[tid], ibuf[tid]):
+                vbuf[tid] = ov
+                ibuf[tid] = oi
+        cuda.syncthreads()
+        stride //= 2
+    best_v = vbuf[0]
+    best_i = ibuf[0]
+    cuda.syncthreads()
+    return best_v, best_i
+
+
 @cuda.jit(device=True)
 def _block_argmax(logits, row, vbuf, ibuf):
     # Largest logit of the row, lowest id on ties; NaN counts as -inf.
@@ -82,39 +114,79 @@ def _block_argmax(logits, row, vbuf, ibuf):
     best_i = logits.shape[1]
     for i in range(tid, logits.shape[1], SAMPLE_THREADS):
         v = logits[row, i]
-        if v > best_v or (v == best_v and i < best_i):
+        if _before(v, i, best_v, best_i):
             best_v = v
             best_i = i
-    vbuf[tid] = best_v
-    ibuf[tid] = best_i
-    cuda.syncthreads()
-    stride = SAMPLE_THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            ov = vbuf[tid + stride]
-            oi = ibuf[tid + stride]
-            if ov > vbuf[tid] or (ov == vbuf[tid] and oi < ibuf[tid]):
-                vbuf[tid] = ov
-                ibuf[tid] = oi
-        cuda.syncthreads()
-        stride //= 2
-    best_v = vbuf[0]
-    best_i = ibuf[0]
-    cuda.syncthreads()
+    best_v, best_i = _tree_best(vbuf, ibuf, best_v, best_i, SAMPLE_THREADS)
     if best_i >= logits.shape[1]:
         best_i = 0  # an all-NaN / all -inf row: token 0, never out of range
     return best_v, best_i
 
 
+# Greedy argmax, split: argmax_parts (grid (rows, parts)) finds the first (value, id) pair of
+# each part, a contiguous span of ceil(V / parts) ids, into scratch [rows, parts]; argmax_reduce
+# (grid (rows,)) the first of those. The pairs start from (-inf, V), which every element
+# of the row but a NaN comes before (-inf elements by the id rule), so an empty part never
+# wins and a row of NaN / -inf gives what _block_argmax gives; (value descending, id
+# ascending) is a total order, so the token is _block_argmax's for every split.
+ARGMAX_PART_MIN = 4096  # ids a part takes, at least (unless the row has fewer)
+ARGMAX_PARTS_MAX = 64
+ARGMAX_LOADS = 8  # loads a thread of argmax_parts has in flight: ids i, i + 256, ...
+ARGMAX_REDUCE_THREADS = 64  # a power of two
+
+
+def argmax_parts_for(vocab: int) -> int:
+    """Parts of a row of `vocab` logits: ceil(vocab / ARGMAX_PART_MIN), 1 to ARGMAX_PARTS_MAX."""
+    return max(1, min(ARGMAX_PARTS_MAX, -(-vocab // ARGMAX_PART_MIN)))
+
+
 @kernel
-def argmax(logits, out):
-    # logits: [rows, V] f32; out: [rows] i64. grid (rows,), block SAMPLE_THREADS
+def argmax_parts(logits, part_values, part_ids):
+    # logits: [rows, V] f32; part_values: [rows, parts] f32, part_ids: [rows, parts] i64.
+    # grid (rows, parts), block SAMPLE_THREADS: ids part * span .. (span = ceil(V / parts))
     vbuf = cuda.shared.array(SAMPLE_THREADS, np.float32)
     ibuf = cuda.shared.array(SAMPLE_THREADS, np.int64)
-    row = cuda.blockIdx.x
-    _, best_i = _block_argmax(logits, row, vbuf, ibuf)
+    vals = cuda.local.array(ARGMAX_LOADS, np.float32)
+    row, part = cuda.blockIdx.x, cuda.blockIdx.y
+    vocab = logits.shape[1]
+    span = (vocab + part_values.shape[1] - 1) // part_values.shape[1]
+    start = min(part * span, vocab)
+    end = min(start + span, vocab)
+    best_v = NEG_INF
+    best_i = np.int64(vocab)
+    for base in range(start + cuda.threadIdx.x, end, SAMPLE_THREADS * ARGMAX_LOADS):
+        for j in range(ARGMAX_LOADS):  # the loads first (a NaN past the span never wins)
+            i = base + j * SAMPLE_THREADS
+            vals[j] = logits[row, i] if i < end else np.float32(np.nan)
+        for j in range(ARGMAX_LOADS):
+            i = base + j * SAMPLE_THREADS
+            if _before(vals[j], i, best_v, best_i):
+                best_v = vals[j]
+                best_i = i
+    best_v, best_i = _tree_best(vbuf, ibuf, best_v, best_i, SAMPLE_THREADS)
     if cuda.threadIdx.x == 0:
-        out[row] = best_i
+        part_values[row, part] = best_v
+        part_ids[row, part] = best_i
+
+
+@kernel
+def argmax_reduce(part_values, part_ids, vocab, out):
+    # part_values, part_ids: argmax_parts' [rows, parts]; vocab: V; out: [rows] i64.
+    # grid (rows,), block ARGMAX_REDUCE_THREADS
+    vbuf = cuda.shared.array(ARGMAX_REDUCE_THREADS, np.float32)
+    ibuf = cuda.shared.array(ARGMAX_REDUCE_THREADS, np.int64)
+    row = cuda.blockIdx.x
+    best_v = NEG_INF
+    best_i = np.int64(vocab)
+    for p in range(cuda.threadIdx.x, part_values.shape[1], ARGMAX_REDUCE_THREADS):
+        v = part_values[row, p]
+        i = part_ids[row, p]
+        if _before(v, i, best_v, best_i):
+            best_v = v
+            best_i = i
+    _, best_i = _tree_best(vbuf, ibuf, best_v, best_i, ARGMAX_REDUCE_THREADS)
+    if cuda.threadIdx.x == 0:
+        out[row] = best_i if best_i < vocab else 0  # an all-NaN / all -inf row: token 0
 
 
 @cuda.jit(device=True)

@@ -114,6 +114,17 @@ def moe_route_ref(logits, top_k, norm):
     return ids.astype(np.int32), w
 
 
+def argmax_ref(logits: np.ndarray) -> np.ndarray:
+    """The device's greedy token of each row: the first id of the largest non-NaN logit (a NaN
+    never wins, a -inf does); a row of NaN only: 0."""
+    out = np.zeros(logits.shape[0], np.int64)
+    for r, row in enumerate(logits):
+        real = np.flatnonzero(~np.isnan(row))
+        if real.size:
+            out[r] = real[np.argmax(row[real])]
+    return out
+
+
 def int8_x_ref(x: np.ndarray) -> np.ndarray:
     """x as the int8-activation matmul sees it (cuda_kernels/qdot.py), float64: per chunk of
     32, the exact x * (127 / amax) to the nearest integer (ties to even) times amax / 127."""
@@ -310,7 +321,34 @@ def check_grouped_matmul(rng: np.random.Generator) -> None:
     single = np.full((1, out_f), np.nan, np.float32)
     launch.matmul("q4", x[1:2], codes[:1], scales[:1], biases[:1], 32, ids, single, path="few")
     assert np.array_equal(single[0], out[1]), "grouped row differs from the plain few-rows row"
+    _check_grouped_x_repeat(rng)
     _check_sorted_expert_matmul(rng)
+
+
+def _check_grouped_x_repeat(rng: np.random.Generator) -> None:
+    """MoE slots reading their token's row of x (x_repeat = top_k) == the grouped launch on
+    top_k copies of each row, plain and with the swiglu epilogue; a wrong row count is refused."""
+    from cuda_kernels import launch
+
+    tokens, top_k, in_f, out_f, experts = 3, 2, 128, 8, 4
+    x = rng.standard_normal((tokens, in_f)).astype(np.float32)
+    codes, scales, biases, _ = affine_weight(rng, experts, out_f, in_f, 4, 32)
+    ids = rng.integers(0, experts, tokens * top_k).astype(np.int32)
+    for epilogue, width in (("store", out_f), ("swiglu", out_f // 2)):
+        copies = np.full((tokens * top_k, width), np.nan, np.float32)
+        launch.matmul("q4", np.repeat(x, top_k, axis=0), codes, scales, biases, 32, ids, copies,
+                      grouped=True, path="few", epilogue=epilogue)
+        once = np.full_like(copies, np.nan)
+        launch.matmul("q4", x, codes, scales, biases, 32, ids, once, grouped=True, path="few",
+                      epilogue=epilogue, x_repeat=top_k)
+        assert np.array_equal(once, copies), ("x_repeat", epilogue)
+    try:
+        launch.matmul("q4", x, codes, scales, biases, 32, ids, np.empty((5, out_f), np.float32),
+                      grouped=True, path="few", x_repeat=top_k)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("x_repeat with a wrong row count was not refused")
 
 
 def _check_sorted_expert_matmul(rng: np.random.Generator) -> None:
@@ -689,11 +727,81 @@ def check_moe(rng: np.random.Generator) -> None:
     launch.moe_route(wide, 4, True, wide_ids, wide_w)
     want_ids, want_w = moe_route_ref(wide, 4, True)
     assert np.array_equal(wide_ids, want_ids) and rel_err(wide_w, want_w) < 1e-6
+    _check_moe_route_256(rng)
     y = rng.standard_normal((15, 150)).astype(np.float32)  # two column blocks
     out = np.full((5, 150), np.nan, np.float32)
     launch.moe_combine(y, weights, out)
     ref = np.einsum("rj,rjh->rh", weights.astype(np.float64), y.reshape(5, 3, 150).astype(np.float64))
     assert rel_err(out, ref) < 1e-6
+
+
+def _check_moe_route_256(rng: np.random.Generator) -> None:
+    """A decode row's routing at real width: 256 experts, top 8 (each lane holds 8 experts and
+    one pick), norm on and off; rows past the first block's warps; a row alone == in a batch."""
+    from cuda_kernels import launch, moe
+
+    logits = (rng.standard_normal((5, 256)) * 2).astype(np.float32)
+    logits[0, [31, 32, 200]] = 20.0  # a tie of three picks across lanes
+    logits[3, :] = -1.0  # all tied: ids 0..7, weights 1/256 (1/8 normalised)
+    for norm in (False, True):
+        ids, weights = np.full((5, 8), -1, np.int32), np.full((5, 8), np.nan, np.float32)
+        launch.moe_route(logits, 8, norm, ids, weights)
+        want_ids, want_w = moe_route_ref(logits, 8, norm)
+        assert np.array_equal(ids, want_ids) and rel_err(weights, want_w) < 1e-6, norm
+        assert list(ids[0, :3]) == [31, 32, 200] and list(ids[3]) == list(range(8)), norm
+        if norm:
+            solo_ids, solo_w = np.full((1, 8), -1, np.int32), np.full((1, 8), np.nan, np.float32)
+            launch.moe_route(logits[4:5], 8, norm, solo_ids, solo_w)
+            assert np.array_equal(solo_ids, ids[4:5]) and np.array_equal(solo_w, weights[4:5])
+    try:
+        launch.moe_route(logits, moe.ROUTE_MAX_TOP_K + 1, True, np.zeros((5, 33), np.int32),
+                         np.zeros((5, 33), np.float32))
+    except ValueError as exc:
+        assert "top_k" in str(exc)
+    else:
+        raise AssertionError("moe_route took more picks than a warp has lanes")
+
+
+def _check_split_argmax(rng: np.random.Generator) -> None:
+    """argmax over several parts (argmax_parts, then argmax_reduce): argmax_ref's tokens (the
+    first maximum; NaN never wins; a row of -inf or NaN: 0), ties across parts, and any number
+    of parts (empty ones past the row's end too) giving the same tokens."""
+    from cuda_kernels import launch
+
+    vocab = 20000
+    rows, parts = launch.argmax_scratch_shape(6, vocab)
+    span = -(-vocab // parts)
+    assert parts == 5 and rows == 6
+    logits = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    logits[0, vocab - 3] = 50.0  # the maximum in the last part
+    logits[1, [span + 7, 3 * span + 2]] = 50.0  # a tie across two parts: the lower id
+    logits[1, 4 * span + 1] = 50.0
+    logits[2, :] = -np.inf  # token 0
+    logits[3, ::2] = np.nan  # NaNs never win: the real maximum does
+    logits[3, 2 * span + 1] = 40.0
+    logits[4, :] = np.nan  # token 0
+    logits[5, :] = np.nan  # NaN and -inf only: the first -inf
+    logits[5, [2 * span + 9, 4 * span]] = -np.inf
+    want = argmax_ref(logits)
+    assert list(want[:3]) == [vocab - 3, span + 7, 0] and list(want[3:]) == [2 * span + 1, 0, 2 * span + 9]
+    out = np.full(6, -1, np.int64)
+    launch.argmax(logits, out)
+    assert np.array_equal(out, want), (out, want)
+    # The scratch passed in, and other splits (2 parts; 7 parts of a 10-id row: two empty)
+    small = np.array([[np.nan, -np.inf, 3.0, 7.0, 7.0, np.nan, 1.0, 7.0, -np.inf, 2.0],
+                      [np.nan] * 8 + [-np.inf, np.nan]], np.float32)
+    for x, n, want_x in ((logits[:2], 2, want[:2]), (small, 7, [3, 8])):
+        values, ids = np.full((x.shape[0], n), np.nan, np.float32), np.full((x.shape[0], n), -1, np.int64)
+        got = np.full(x.shape[0], -1, np.int64)
+        launch.argmax(x, got, part_values=values, part_ids=ids)
+        assert list(got) == list(want_x), (n, got, want_x)
+    assert list(ids[0, 5:]) == [10, 10] and list(values[0, 5:]) == [-np.inf, -np.inf]  # empty parts
+    try:
+        launch.argmax(logits, out, part_values=np.zeros((6, 5), np.float32))
+    except ValueError as exc:
+        assert "part_ids" in str(exc)
+    else:
+        raise AssertionError("argmax took half its scratch")
 
 
 def check_sampling(rng: np.random.Generator) -> None:
@@ -705,6 +813,7 @@ def check_sampling(rng: np.random.Generator) -> None:
     out = np.full(rows, -1, np.int64)
     launch.argmax(logits, out)
     assert np.array_equal(out, [np.argmax(logits[0]), 17, np.argmax(logits[2])])
+    _check_split_argmax(rng)
     temps = np.array([0.0, 1.0, 0.7], np.float32)
     top_ks = np.array([0, 1, 5], np.int32)
     top_ps = np.array([1.0, 1.0, 0.9], np.float32)

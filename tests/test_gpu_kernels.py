@@ -544,6 +544,31 @@ def test_moe_against_cpu(ops, rng) -> None:
     assert np.array_equal(solo[0], got[4])
 
 
+@pytest.mark.parametrize("rows", [1, 9])
+def test_moe_route_256_experts_top_8(ops, rng, rows) -> None:
+    """A 35B MoE's routing (256 experts, top 8), norm on and off: the float64 reference's ids
+    (exact ties: the lower id), its weights, outputs poisoned first, and a row alone gives the
+    bits it has among the others."""
+    from cuda_kernels import launch
+
+    logits = (rng.standard_normal((rows, 256)) * 2).astype(np.float32)
+    logits[-1, 100:] = -np.inf  # a sparse row: only experts 0..99 can weigh anything
+    logits[0, [5, 37, 90]] = 20.0  # exact ties across lanes
+    for norm in (False, True):
+        ids, weights = _poisoned(ops, (rows, 8), np.int32), _poisoned(ops, (rows, 8))
+        _run(ops, launch.moe_route, ops.asarray(logits), 8, norm, ids, weights)
+        got_ids, got_w = ops.to_host(ids), ops.to_host(weights)
+        want_ids, want_w = ref.moe_route_ref(logits, 8, norm)
+        assert np.array_equal(got_ids, want_ids), norm
+        assert ref.rel_err(got_w, want_w) < ROW_BOUND, norm
+        assert list(got_ids[0, :3]) == [5, 37, 90]
+        for r in (0, rows - 1):
+            solo_ids, solo_w = _poisoned(ops, (1, 8), np.int32), _poisoned(ops, (1, 8))
+            _run(ops, launch.moe_route, ops.asarray(logits[r : r + 1]), 8, norm, solo_ids, solo_w)
+            assert np.array_equal(ops.to_host(solo_ids)[0], got_ids[r])
+            assert np.array_equal(ops.to_host(solo_w)[0].view(np.uint32), got_w[r].view(np.uint32))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_moe_sorted_by_expert_gives_each_slot_its_bits(ops, rng, monkeypatch, bits) -> None:
     """A prompt-sized MoE launch (slots >= MOE_SORTED_MIN_SLOTS) runs sorted by expert on the
@@ -587,6 +612,47 @@ def test_sampling(ops, rng) -> None:
         assert got[r] == ref._sample_ref(logits[r], temps[r], top_ks[r], top_ps[r], u), r
     solo = ops.to_host(ops.sample(*[a[3:4] for a in args]))
     assert solo[0] == got[3]
+
+
+def test_split_argmax_at_a_248k_vocabulary(ops, rng) -> None:
+    """The split argmax (argmax_parts over the row's parts, then argmax_reduce) on rows of
+    248,320 logits: numpy's argmax on random rows; exact ties in two parts, on the two sides of
+    a part boundary and inside one thread's ids (the lowest id wins); -inf and NaN rows as
+    argmax_ref has them; the same tokens as the one-block greedy path of `sample`, for a row
+    alone, and for any number of parts."""
+    from cuda_kernels import launch
+
+    vocab = 248320
+    rows, parts = launch.argmax_scratch_shape(12, vocab)
+    span = -(-vocab // parts)
+    assert parts > 8
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    top = np.float32(100.0)
+    logits[4, [span + 5, 3 * span + 7]] = top  # two parts
+    logits[5, [vocab - 1, 0]] = top  # the first and the last part
+    logits[6, [2 * span - 1, 2 * span]] = top  # the two sides of a boundary
+    logits[7, [10, 10 + 256 * 8, parts * span - span + 3]] = top  # one thread's ids, and the last part
+    logits[8, :] = -np.inf  # 0
+    logits[9, ::3] = np.nan  # NaN never wins
+    logits[9, vocab - 2] = np.float32(1e30)
+    logits[10, :] = np.nan  # 0
+    logits[11, :] = np.nan  # NaN and -inf only: the first -inf
+    logits[11, [span * (parts - 1) + 4, span * (parts - 2)]] = -np.inf
+    want = ref.argmax_ref(logits)
+    assert np.array_equal(want[:4], logits[:4].argmax(-1))
+    assert list(want[4:]) == [span + 5, 0, 2 * span - 1, 10, 0, vocab - 2, 0, span * (parts - 2)]
+    dev = ops.asarray(logits)
+    got = ops.to_host(ops.argmax(dev))
+    assert np.array_equal(got, want), (got, want)
+    greedy = ops.to_host(ops.sample(dev, *[ops.asarray(np.zeros(rows, t)) for t in
+                                           (np.float32, np.int32, np.float32, np.uint64, np.int64)]))
+    assert np.array_equal(greedy, want)  # the one-block kernel (_block_argmax) agrees
+    for r in (0, 4, 9, 11):
+        assert ops.to_host(ops.argmax(dev[r : r + 1]))[0] == want[r], r
+    for n in (1, 3, 64, 200):
+        values, ids, out = _poisoned(ops, (rows, n)), _poisoned(ops, (rows, n), np.int64), _poisoned(ops, rows, np.int64)
+        _run(ops, launch.argmax, dev, out, part_values=ops._dev(values), part_ids=ops._dev(ids))
+        assert np.array_equal(ops.to_host(out), want), n
 
 
 def test_int8_rows_for_another_weight_kind_is_a_clear_error(ops, rng) -> None:

@@ -440,8 +440,8 @@ def test_fused_hybrid_ops_give_the_bits_of_the_ops_they_replace(gpu, rng, monkey
     normed = ops.rms_norm(hx, ops.asarray(norm), 1e-6)
     assert np.array_equal(one, np.concatenate([ops.to_host(ops.linear(normed, p)) for p in parts], axis=1))
     into = ops.asarray(routed)
-    out_w = ops.upload_linear(quantize_affine(rng.standard_normal((hidden, 96)).astype(f32), 4, 64))
-    y = ops.asarray(rng.standard_normal((rows, 96)).astype(f32))
+    out_w = ops.upload_linear(quantize_affine(rng.standard_normal((hidden, 128)).astype(f32), 4, 64))
+    y = ops.asarray(rng.standard_normal((rows, 128)).astype(f32))
     ops.linear_into(y, out_w, into)
     assert np.array_equal(ops.to_host(into), routed + ops.to_host(ops.linear(y, out_w)))
 

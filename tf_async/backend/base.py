@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -69,9 +69,11 @@ class Ops(Protocol):
         (views of the concatenation, or ws themselves); None when ws cannot be fused."""
         ...
 
-    def rms_norm_for(self, x: Array, w: Array, eps: float, linear: FusedLinear) -> Array:
+    def rms_norm_for(self, x: Array, w: Array, eps: float,
+                     linear: FusedLinear | Sequence[FusedLinear]) -> Array:
         """rms_norm(x, w, eps) in the form `linear` multiplies (CUDA: int8 rows for int8-x
-        weights). x [rows, dim]."""
+        weights; for several linears, stacked experts included, when they all take the same
+        form; moe() takes such rows too). x [rows, dim]."""
         ...
 
     def attn_inputs(self, qkv: Array, q_norm: Array | None, k_norm: Array | None, eps: float,

@@ -15,7 +15,7 @@ CUDA graph); the caller must have checked the indices itself (tf_async/models/gr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -222,19 +222,24 @@ class CudaOps:
         if kind != x.kind or not self._launch.uses_int8_x(kind, words.reshape(-1, *words.shape[-2:]), group_size):
             raise BadInputError(f"{name}: int8 rows for {x.kind} weights, the weight is {kind} (or takes float32 x)")
 
-    def rms_norm_for(self, x: Any, w: Any, eps: float, linear: FusedLinear) -> Any:
+    def rms_norm_for(self, x: Any, w: Any, eps: float,
+                     linear: FusedLinear | Sequence[FusedLinear]) -> Any:
         """rms_norm(x, w, eps) in the form `linear` multiplies: Int8Rows when it takes int8 x
         (the norm and the quantization in one launch, the bits of rms_norm then quantize_rows),
-        else rms_norm's float32 rows. x [rows, dim]."""
-        linear = _one_weight(linear)
-        kind = self._int8_form(linear)
+        else rms_norm's float32 rows. x [rows, dim]. Several linears (stacked experts too):
+        Int8Rows only when every one takes the same int8 form."""
+        given: Sequence[FusedLinear] = linear if isinstance(linear, list | tuple) else [linear]  # type: ignore[list-item]
+        linears = [_one_weight(one) for one in given]
+        kinds = {self._int8_form(one) for one in linears}
+        kind = kinds.pop() if len(kinds) == 1 else None
         if kind is None:
             return self.rms_norm(x, w, eps)
         xp = self.xp
         check_array(x, "rms_norm x", np.float32, 2, xp=xp)
         check_array(w, "rms_norm weight", np.float32, 1, xp=xp)
-        if x.shape[1] != w.shape[0] or w.shape[0] != linear.in_features:
-            raise BadInputError(f"rms_norm_for: x {x.shape}, weight {w.shape}, linear in_features {linear.in_features}")
+        if x.shape[1] != w.shape[0] or any(w.shape[0] != one.in_features for one in linears):
+            raise BadInputError(f"rms_norm_for: x {x.shape}, weight {w.shape}, linear in_features "
+                                f"{[one.in_features for one in linears]}")
         out = self._new_int8_rows(x.shape[0], x.shape[1], kind)
         if x.shape[0]:
             self._launch.rms_norm_quantize(self._dev(x), self._dev(w), np.float32(eps), kind == "q4",
@@ -242,9 +247,11 @@ class CudaOps:
         return out
 
     def _int8_form(self, w: Linear) -> str | None:
-        """The kind ('q4' or 'q8') of the int8 x a 2-D weight multiplies; None: float32 x."""
+        """The kind ('q4' or 'q8') of the int8 x a weight (2-D, or stacked experts)
+        multiplies; None: float32 x."""
         kind, words, _, _, group_size = self._weight_parts(w)
-        if words.ndim != 2 or not self._launch.uses_int8_x(kind, words[None], group_size):
+        if words.ndim not in (2, 3) or not self._launch.uses_int8_x(
+                kind, words if words.ndim == 3 else words[None], group_size):
             return None
         return kind
 
@@ -253,7 +260,7 @@ class CudaOps:
         return Int8Rows(self.xp.empty(q_shape, self.xp.int8), self.xp.empty(s_shape, self.xp.float32), kind)
 
     def _matmul(self, rows: Any, w: Linear, out: Any, expert_ids: Any | None, path: str | None = None,
-                epilogue: str = "store") -> None:
+                epilogue: str = "store", x_repeat: int = 1) -> None:
         # rows [n, in] f32; w 2-D, or 3-D stacked experts when expert_ids [n] int32 is given.
         kind, words, scales, biases, group_size = self._weight_parts(w)
         if words.ndim != (3 if expert_ids is not None else 2):
@@ -275,7 +282,7 @@ class CudaOps:
         else:
             args, scratch = [self._dev(a) for a in (rows, words, scales, biases)], {}
         self._launch.matmul(kind, *args, group_size, self._dev(ids), self._dev(out), self._stream(),
-                            path=path, grouped=grouped, epilogue=epilogue, **scratch)
+                            path=path, grouped=grouped, epilogue=epilogue, x_repeat=x_repeat, **scratch)
 
     # ------------------------------------------------------------------ fused layer ops
     # The decoder's layer ops (Ops protocol) as fused launches: one matmul for q|k|v and one
@@ -287,16 +294,22 @@ class CudaOps:
         each of ws (so the originals can go); None when ws are not all of one kind."""
         xp = self.xp
         first = ws[0]
+        ndim = (first.codes if isinstance(first, AffineWeight) else first.w).ndim
+        axis = ndim - 2  # the rows (out features) axis; 3-D: stacked experts, each concatenated
         if isinstance(first, AffineWeight) and all(
-                isinstance(w, AffineWeight) and (w.bits, w.group_size, w.in_features, w.codes.ndim)
-                == (first.bits, first.group_size, first.in_features, 2) for w in ws):
-            codes, scales, biases = (xp.concatenate([getattr(w, f) for w in ws])
+                isinstance(w, AffineWeight) and (w.bits, w.group_size, w.in_features, w.codes.ndim,
+                                                 w.codes.shape[:axis])
+                == (first.bits, first.group_size, first.in_features, ndim, first.codes.shape[:axis])
+                for w in ws):
+            codes, scales, biases = (xp.concatenate([getattr(w, f) for w in ws], axis=axis)
                                      for f in ("codes", "scales", "biases"))
             whole: Linear = AffineWeight(codes, scales, biases, first.bits, first.group_size)
         elif isinstance(first, DenseWeight) and all(
-                isinstance(w, DenseWeight) and w.w.dtype == first.w.dtype and w.w.ndim == 2
-                and w.in_features == first.in_features for w in ws):
-            whole = DenseWeight(xp.concatenate([w.w for w in ws if isinstance(w, DenseWeight)]))
+                isinstance(w, DenseWeight) and w.w.dtype == first.w.dtype
+                and (w.w.ndim, w.w.shape[:axis], w.in_features)
+                == (ndim, first.w.shape[:axis], first.in_features) for w in ws):
+            whole = DenseWeight(xp.concatenate([w.w for w in ws if isinstance(w, DenseWeight)],
+                                               axis=axis))
         else:
             return None
         views, start = [], 0
@@ -534,12 +547,16 @@ class CudaOps:
 
     # ------------------------------------------------------------------ MoE
     def moe(self, x: Any, router: Linear, gate: Linear, up: Linear, down: Linear,
-            top_k: int, norm_topk_prob: bool) -> Any:
+            top_k: int, norm_topk_prob: bool, *, gate_up: FusedLinear | None = None) -> Any:
         """Top-k mixture of SwiGLU experts, x [rows, H]. Row-slot (r, j) runs through expert
         ids[r, j] with the grouped matmul (one row a block, no host round trip); the outputs
-        are summed per row in slot order j = 0..k-1."""
+        are summed per row in slot order j = 0..k-1. gate_up (concat_linears([gate, up])):
+        gate and up in one launch (the swiglu epilogue; the bits of the two). x may be Int8Rows
+        (rms_norm_for of the router and the experts): the router, gate and up read it as it is;
+        the grouped launches read each token's row once for its top_k slots (x_repeat)."""
         xp = self.xp
-        check_array(x, "moe x", np.float32, 2, xp=xp)
+        if not isinstance(x, Int8Rows):  # int8 rows: linear() checks them against the router
+            check_array(x, "moe x", np.float32, 2, xp=xp)
         logits = self.linear(x, router)
         rows, num_experts = logits.shape
         if not 1 <= top_k <= num_experts:
@@ -547,37 +564,64 @@ class CudaOps:
         ids = xp.empty((rows, top_k), xp.int32)
         weights = xp.empty((rows, top_k), xp.float32)
         if rows == 0:
-            return xp.zeros_like(x)
+            return xp.zeros((0, down.out_features), xp.float32)
         self._launch.moe_route(self._dev(logits), int(top_k), bool(norm_topk_prob), self._dev(ids),
                                self._dev(weights), self._stream())
         flat_ids = ids.reshape(-1)
-        if rows * top_k >= MOE_SORTED_MIN_SLOTS and self._takes_int8_x(gate, up, down):
-            expert_out = self._sorted_experts(x, flat_ids, top_k, (gate, up, down), num_experts)
+        fused = None if gate_up is None else _one_weight(gate_up)
+        # with gate_up, gate and up are views of it (not contiguous a stack): only it is read
+        pair = (gate, up) if fused is None else (fused,)
+        if rows * top_k >= MOE_SORTED_MIN_SLOTS and self._takes_int8_x(*pair, down):
+            expert_out = self._sorted_experts(x, flat_ids, top_k, (gate, up, down), num_experts, fused)
         else:
-            x_slots = xp.repeat(x, top_k, axis=0)
-            h = self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
-                              self._expert_linear(x_slots, up, flat_ids))
+            h = self._expert_swiglu(x, gate, up, fused, flat_ids, top_k)
             expert_out = self._expert_linear(h, down, flat_ids)
-        out = xp.empty_like(x)
+        out = xp.empty((rows, down.out_features), xp.float32)
         self._launch.moe_combine(self._dev(expert_out), self._dev(weights), self._dev(out), self._stream())
         return out
+
+    def _expert_swiglu(self, x: Any, gate: Linear, up: Linear, gate_up: Linear | None,
+                       flat_ids: Any, top_k: int) -> Any:
+        """silu(slot @ gate_e.T) * (slot @ up_e.T) of every slot [rows * top_k, I]: int8-x
+        experts read token r's row for slots r*k .. r*k + k-1; others multiply top_k copies."""
+        if self._takes_int8_x(*((gate, up) if gate_up is None else (gate_up,))):
+            if gate_up is not None:
+                return self._expert_linear(x, gate_up, flat_ids, epilogue="swiglu", x_repeat=top_k)
+            return self.silu_mul(self._expert_linear(x, gate, flat_ids, x_repeat=top_k),
+                                 self._expert_linear(x, up, flat_ids, x_repeat=top_k))
+        if isinstance(x, Int8Rows):
+            raise BadInputError("moe: int8 rows for experts that take float32 x")
+        x_slots = self.xp.repeat(x, top_k, axis=0)
+        if gate_up is not None:
+            return self._expert_linear(x_slots, gate_up, flat_ids, epilogue="swiglu")
+        return self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
+                             self._expert_linear(x_slots, up, flat_ids))
 
     def _takes_int8_x(self, *ws: Linear) -> bool:
         return all(self._launch.uses_int8_x(kind, words, gs)
                    for kind, words, _, _, gs in map(self._weight_parts, ws))
 
     def _sorted_experts(self, x: Any, flat_ids: Any, top_k: int, ws: tuple[Linear, Linear, Linear],
-                        num_experts: int) -> Any:
+                        num_experts: int, gate_up: Linear | None = None) -> Any:
         """The routed slots sorted by expert, each expert's run on the tensor cores (one
-        launch a weight, qdot's bits a row): [rows * top_k, H] in slot order."""
+        launch a weight, qdot's bits a row): [rows * top_k, H] in slot order. gate_up: the
+        experts' [gate; up] in one launch (gate and up are then views of it, not used)."""
         from cuda_kernels.expert_tiles import expert_tiles
 
         xp, gate, up, down = self.xp, *ws
         order, tiles = expert_tiles(xp, flat_ids, num_experts, self._launch.SORTED_EXPERT_ROWS)
         tokens = order // top_k  # the x row of each sorted slot
         quantized: dict[str, tuple[Any, Any]] = {}  # x once a byte order, gate and up share it
-        h = self.silu_mul(self._sorted_linear(x, tokens, gate, tiles, quantized),
-                          self._sorted_linear(x, tokens, up, tiles, quantized))
+        if isinstance(x, Int8Rows):
+            quantized[x.kind] = x.xq, x.xs
+        if gate_up is not None:
+            both = self._sorted_linear(x, tokens, gate_up, tiles, quantized)
+            width = gate_up.out_features // 2
+            h = self.silu_mul(xp.ascontiguousarray(both[:, :width]),
+                              xp.ascontiguousarray(both[:, width:]))
+        else:
+            h = self.silu_mul(self._sorted_linear(x, tokens, gate, tiles, quantized),
+                              self._sorted_linear(x, tokens, up, tiles, quantized))
         out_sorted = self._sorted_linear(h, None, down, tiles, {})
         expert_out = xp.empty_like(out_sorted)
         expert_out[order] = out_sorted
@@ -588,6 +632,8 @@ class CudaOps:
         """(rows[take] or rows) [n, K], sorted by expert, times each one's expert of w."""
         xp, dev = self.xp, self._dev
         kind, words, scales, biases, group_size = self._weight_parts(w)
+        if kind not in quantized and isinstance(rows, Int8Rows):
+            raise BadInputError(f"moe: int8 rows for {rows.kind} weights, the experts are {kind}")
         if kind not in quantized:
             q_shape, s_shape = self._launch.quantize_scratch_shapes(*rows.shape)
             xq, xs = xp.empty(q_shape, xp.int8), xp.empty(s_shape, xp.float32)
@@ -602,9 +648,14 @@ class CudaOps:
                                           self._stream())
         return out
 
-    def _expert_linear(self, rows: Any, w: Linear, expert_ids: Any) -> Any:
-        out = self.xp.empty((rows.shape[0], w.out_features), self.xp.float32)
-        self._matmul(rows, w, out, expert_ids, path="few")
+    def _expert_linear(self, rows: Any, w: Linear, expert_ids: Any, epilogue: str = "store",
+                       x_repeat: int = 1) -> Any:
+        """Row-slot s of the output through expert expert_ids[s] of w, from rows[s // x_repeat]."""
+        if isinstance(rows, Int8Rows):
+            self._check_int8_rows(rows, "moe rows", rows.shape[0], w)
+        width = w.out_features // 2 if epilogue == "swiglu" else w.out_features
+        out = self.xp.empty((rows.shape[0] * x_repeat, width), self.xp.float32)
+        self._matmul(rows, w, out, expert_ids, path="few", epilogue=epilogue, x_repeat=x_repeat)
         return out
 
     # ------------------------------------------------------------------ token choice
@@ -613,7 +664,12 @@ class CudaOps:
         check_array(logits, "argmax logits", np.float32, 2, xp=self.xp)
         out = self.xp.empty(logits.shape[0], self.xp.int64)
         if logits.shape[0]:
-            self._launch.argmax(self._dev(logits), self._dev(out), self._stream())
+            # The split's per-part bests (CuPy scratch: a captured graph's pool keeps it)
+            shape = self._launch.argmax_scratch_shape(*logits.shape)
+            part_values = self.xp.empty(shape, self.xp.float32)
+            part_ids = self.xp.empty(shape, self.xp.int64)
+            self._launch.argmax(self._dev(logits), self._dev(out), self._stream(),
+                                part_values=self._dev(part_values), part_ids=self._dev(part_ids))
         return out
 
     def sample(self, logits: Any, temperatures: Any, top_ks: Any, top_ps: Any, seeds: Any,
@@ -686,6 +742,18 @@ class CudaOps:
         self._gdn.sigmoid_gate_mul(self._dev(x), self._dev(gate), self._dev(x),
                                    stream=self._stream())
 
+    def shared_expert_add(self, h: Any, routed: Any, shared: Any, gate: Any) -> None:
+        xp = self.xp
+        for name, array in (("h", h), ("routed", routed), ("shared", shared)):
+            check_array(array, f"shared_expert_add {name}", np.float32, 2, xp=xp)
+            check_shape(array, f"shared_expert_add {name}", h.shape)
+        check_array(gate, "shared_expert_add gate", np.float32, 2, xp=xp)
+        check_shape(gate, "shared_expert_add gate", (h.shape[0], 1))
+        if h.size:
+            dev = self._dev
+            self._gdn.shared_expert_add(dev(h), dev(routed), dev(shared), dev(gate),
+                                        stream=self._stream())
+
 
 def _one_weight(w: FusedLinear) -> Linear:
     """CudaOps' fused weights are concatenations (concat_linears), never LinearParts."""
@@ -695,8 +763,10 @@ def _one_weight(w: FusedLinear) -> Linear:
 
 
 def _rows_of(w: Linear, start: int, stop: int) -> Linear:
-    """Rows [start, stop) of a 2-D weight, as a view."""
+    """Rows (out features) [start, stop) of a 2-D weight or of each expert of a stacked one,
+    as a view."""
+    rows = (Ellipsis, slice(start, stop), slice(None))
     if isinstance(w, AffineWeight):
-        return AffineWeight(w.codes[start:stop], w.scales[start:stop], w.biases[start:stop], w.bits, w.group_size)
+        return AffineWeight(w.codes[rows], w.scales[rows], w.biases[rows], w.bits, w.group_size)
     assert isinstance(w, DenseWeight)
-    return DenseWeight(w.w[start:stop])
+    return DenseWeight(w.w[rows])

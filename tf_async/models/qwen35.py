@@ -516,7 +516,11 @@ class HybridDecoder:
                  else ops.rms_norm_for(h, layer.post_norm, eps, w.gate_up))
             ops.linear_into(self._swiglu(x, w.gate, w.up, w.gate_up), w.down, h)
             return
-        ops.shared_expert_add(h, *self._moe_parts(w, ops.rms_norm(h, layer.post_norm, eps)))
+        experts = [w.experts_gate, w.experts_up] if w.experts_gate_up is None else [w.experts_gate_up]
+        shared = [w.shared_gate, w.shared_up] if w.shared_gate_up is None else [w.shared_gate_up]
+        readers = [w.router, *experts, *shared, w.shared_expert_gate]
+        x = ops.rms_norm_for(h, layer.post_norm, eps, readers)  # int8 rows when they all take them
+        ops.shared_expert_add(h, *self._moe_parts(w, x))
 
     def head(self, h: Array, batch: ForwardBatch, captured: dict[int, Array], *,
              all_hidden: bool = False) -> tuple[Array, Array]:

@@ -8,7 +8,7 @@ bounds inside compiled code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -271,7 +271,7 @@ class CpuOps:
         return parts, list(ws)
 
     def rms_norm_for(self, x: np.ndarray, w: np.ndarray, eps: float,
-                     linear: FusedLinear) -> np.ndarray:
+                     linear: FusedLinear | Sequence[FusedLinear]) -> np.ndarray:
         return self.rms_norm(x, w, eps)
 
     def attn_inputs(self, qkv: np.ndarray, q_norm: np.ndarray | None, k_norm: np.ndarray | None,
