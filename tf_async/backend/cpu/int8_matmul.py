@@ -290,17 +290,20 @@ def _nibbles(b: ir.IRBuilder, f: _Feature, c: ir.Value) -> tuple[ir.Value, ir.Va
 
 
 def _x_total(
-    b: ir.IRBuilder, f: _Feature, k: int, c: ir.Value, sums: ir.Value, width: int
+    b: ir.IRBuilder, f: _Feature, k: int, c: ir.Value, sums: ir.Value, width: int,
+    mask: ir.Value | None = None,
 ) -> ir.Value:
     """8-bit codes on AVX2: sums of (code - 128) * x plus 128 * sum(x) of chunks c .. c +
-    width - 1 (width 8: a v8 i32; 1: an i32); otherwise `sums` as they are."""
+    width - 1 (width 8: a v8 i32, the sums of the lanes of `mask` only when given (the row's
+    last values: nothing read past them); 1: an i32); otherwise `sums` as they are."""
     if f.bits != 8 or not AVX2:
         return sums
     at = b.add(c, b.mul(f.ops.chunks, _const(2)))
     if width == 1:
         total = b.fptosi(b.load(b.gep(f.xs_rows[k], [at])), _I32)
         return b.add(sums, b.shl(total, ir.Constant(_I32, 7)))
-    total = b.fptosi(_load8(b, f.xs_rows[k], at), _V8I32)
+    loaded = _load8(b, f.xs_rows[k], at) if mask is None else _masked_load8(b, f.xs_rows[k], at, mask)
+    total = b.fptosi(loaded, _V8I32)
     return b.add(sums, b.shl(total, ir.Constant(_V8I32, [7] * 8)))
 
 
@@ -323,14 +326,15 @@ def _block_floats(
 ) -> None:
     """Each row's chunk sums isums[k] (v8 i32, chunks c0 .. c0 + 7) into its lanes (c0 % 32)
     .. + 7: fma(s * d, isum, acc), then fma(b, d * sum(x), acc); with a mask, the lanes
-    outside it keep their value (a select: an added 0.0 would turn a -0.0 lane into +0.0).
-    xs rows hold 3 * chunks values: the 8-wide loads stay in the row."""
+    outside it keep their value (a select: an added 0.0 would turn a -0.0 lane into +0.0)
+    and x's scales are read for its lanes only."""
     s8, b8 = scales
     fma = _fn(b, "llvm.fma.v8f32", _V8F32, [_V8F32] * 3)
     lane_vector = b.and_(b.lshr(c0, _const(3)), _const(3))
     for k, isum in enumerate(isums):
-        d8 = _load8(b, f.xs_rows[k], c0)
-        dsum8 = _load8(b, f.xs_rows[k], b.add(c0, f.ops.chunks))
+        at = (c0, b.add(c0, f.ops.chunks))  # with a mask (a row's tail): nothing read past it
+        d8, dsum8 = ((_load8(b, f.xs_rows[k], i) for i in at) if mask is None
+                     else (_masked_load8(b, f.xs_rows[k], i, mask) for i in at))
         slot = b.gep(accs[k], [_const(0), lane_vector])
         old = b.load(slot)
         new = b.call(fma, [b8, dsum8, b.call(fma, [b.fmul(s8, d8), b.sitofp(isum, _V8F32), old])])
@@ -370,27 +374,33 @@ def _masked_load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value, mask: ir.Val
     return b.call(fn, [b.gep(base, [index]), ir.Constant(_I32, 4), mask, zero])
 
 
-def _emit_pairs_block(
+def _emit_masked_block(
     b: ir.IRBuilder,
     f: _Feature,
     accs: list[ir.Value],
     c0: ir.Value,
-    pairs: ir.Value,
+    live: ir.Value,
     contiguous: bool,
 ) -> None:
-    """4-bit chunks c0 .. c0 + 2 * pairs - 1 (1 <= pairs <= 3, c0 % 8 == 0) as one 8-chunk
-    block whose missing pairs sum to 0 and whose lanes past them are kept (_block_floats'
-    mask): the same per-lane arithmetic as chunk by chunk. Scales are read only for the
-    chunks there are (masked loads; gathered indices clamped to the row's last chunk)."""
-    zero = ir.Constant(_V16I16, [0] * 16)
-    dots = [[cgutils.alloca_once_value(b, zero) for _ in range(4)] for _ in accs]
-    for pair in range(4):
-        c = b.add(c0, _const(2 * pair))
-        with b.if_then(b.icmp_unsigned("<", _const(pair), pairs)):
-            low, high = _nibbles(b, f, c)
+    """Chunks c0 .. c0 + live - 1 (1 <= live <= 7, c0 % 8 == 0; 4-bit: live even, the x
+    layout's pairs) as one 8-chunk block whose missing chunks sum to 0 and whose lanes past
+    them are kept (_block_floats' mask): the same per-lane arithmetic as chunk by chunk.
+    Scales and x sums are read only for the chunks there are (masked loads; gathered indices
+    clamped to the row's last chunk)."""
+    width = 2 if f.bits == 4 else 1  # chunks a dot: a 4-bit pair, or one 8-bit chunk
+    vector = _V16I16 if f.bits == 4 else _V8I32
+    zero = ir.Constant(vector, [0] * vector.count)
+    dots = [[cgutils.alloca_once_value(b, zero) for _ in range(8 // width)] for _ in accs]
+    for step in range(8 // width):
+        c = b.add(c0, _const(width * step))
+        with b.if_then(b.icmp_unsigned("<", _const(width * step), live)):
+            if f.bits == 4:
+                low, high = _nibbles(b, f, c)
             for k in range(len(accs)):
-                b.store(_pair_dot(b, low, high, f.x_at(b, k, c)), dots[k][pair])
-    mask = _lane_mask(b, b.shl(pairs, _const(1)))
+                dot = (_pair_dot(b, low, high, f.x_at(b, k, c)) if f.bits == 4
+                       else _lone_chunk_dot(b, f.codes_at(b, c), f.x_at(b, k, c), 8))
+                b.store(dot, dots[k][step])
+    mask = _lane_mask(b, live)
     if contiguous:
         scales = (_masked_load8(b, f.scales, c0, mask), _masked_load8(b, f.biases, c0, mask))
     else:
@@ -401,23 +411,28 @@ def _emit_pairs_block(
             c = b.select(b.icmp_unsigned("<", c, last), c, last)
             groups.append(b.lshr(c, f.ops.group_shift))
         scales = (_lane_gather(b, f.scales, groups), _lane_gather(b, f.biases, groups))
-    isums = [_sum8_u4(b, [b.load(d) for d in row_dots]) for row_dots in dots]
+    isums = []
+    for k, row_dots in enumerate(dots):
+        parts = [b.load(d) for d in row_dots]
+        if f.bits == 4:
+            isums.append(_sum8_u4(b, parts))
+        else:
+            isums.append(_x_total(b, f, k, c0, _sum8(b, parts), 8, mask))
     _block_floats(b, f, accs, c0, scales, isums, mask)
 
 
 def _emit_tail(
     b: ir.IRBuilder, f: _Feature, accs: list[ir.Value], c0: ir.Value, contiguous: bool
 ) -> None:
-    """Chunks c0 .. chunks - 1 (fewer than 8): 4-bit pairs as one masked block (the x
-    layout's pairs), a lone last chunk alone; 8-bit one by one."""
+    """Chunks c0 .. chunks - 1 (fewer than 8) as one masked block: 8-bit all of them, 4-bit
+    its pairs (the x layout's), a lone last 4-bit chunk then alone."""
     ops = f.ops
     rest = b.sub(ops.chunks, c0)
-    pairs = b.lshr(rest, _const(1)) if f.bits == 4 else _const(0)
-    if f.bits == 4:
-        with b.if_then(b.icmp_unsigned("!=", pairs, _const(0))):
-            _emit_pairs_block(b, f, accs, c0, pairs, contiguous)
-    with cgutils.for_range(b, b.sub(rest, b.shl(pairs, _const(1)))) as loop:
-        c = b.add(b.add(c0, b.shl(pairs, _const(1))), loop.index)
+    live = b.shl(b.lshr(rest, _const(1)), _const(1)) if f.bits == 4 else rest
+    with b.if_then(b.icmp_unsigned("!=", live, _const(0))):
+        _emit_masked_block(b, f, accs, c0, live, contiguous)
+    with cgutils.for_range(b, b.sub(rest, live)) as loop:
+        c = b.add(b.add(c0, live), loop.index)
         for k, acc in enumerate(accs):
             sums = _lone_chunk_dot(b, f.codes_at(b, c), f.x_at(b, k, c), f.bits)
             _add_chunk(b, f, acc, k, c, _x_total(b, f, k, c, _hsum_i32(b, sums), 1))
