@@ -108,7 +108,8 @@ def _tree_best(vbuf, ibuf, best_v, best_i, threads):
 
 @cuda.jit(device=True)
 def _block_argmax(logits, row, vbuf, ibuf):
-    # Largest logit of the row, lowest id on ties; NaN counts as -inf.
+    # Largest logit of the row, lowest id on ties; a NaN never wins (a row of NaN and -inf:
+    # its first -inf; all NaN: token 0).
     tid = cuda.threadIdx.x
     best_v = NEG_INF
     best_i = logits.shape[1]
