@@ -134,15 +134,19 @@ def quantize_scratch_shapes(rows: int, in_features: int) -> tuple[tuple[int, int
     return (rows, in_features), (rows, 2 * in_features // _qd.CHUNK)
 
 
+def _scratch(shape, dtype, stream):
+    """Scratch a launcher allocates when its caller passes none: NumPy under the simulator, else
+    a Numba device array (freed when the launch returns: a graph capture must pass scratch that
+    outlives its replays)."""
+    return _np.empty(shape, dtype) if _SIMULATOR else _cuda.device_array(shape, dtype, stream=stream or 0)
+
+
 def _quantize(kind, x, xq, xs, stream):
     q_shape, s_shape = quantize_scratch_shapes(*x.shape)
     if (xq is None) != (xs is None):
         raise ValueError("matmul int8 x scratch: pass both xq and xs, or neither")
-    if xq is None:  # NumPy under the simulator, else Numba device arrays (freed when the
-        # launch returns: a graph capture must pass scratch that outlives its replays)
-        xq = _np.empty(q_shape, _np.int8) if _SIMULATOR else _cuda.device_array(q_shape, _np.int8, stream=stream or 0)
-        xs = _np.empty(s_shape, _np.float32) if _SIMULATOR else _cuda.device_array(s_shape, _np.float32,
-                                                                                  stream=stream or 0)
+    if xq is None:
+        xq, xs = _scratch(q_shape, _np.int8, stream), _scratch(s_shape, _np.float32, stream)
     if tuple(xq.shape) != q_shape or tuple(xs.shape) != s_shape:
         raise ValueError(f"matmul int8 x scratch: expected {q_shape} and {s_shape}, got {xq.shape} and {xs.shape}")
     if x.shape[0]:
@@ -190,9 +194,8 @@ def attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page
     kernel = _attn.attention_kernel(KV_KINDS[str(kv_layer.dtype)], head_dim, heads_blk)
     head_blocks = num_heads // heads_blk
     shape = _attn.scratch_shape(rows, num_heads, head_dim, block_table.shape[1], page_size)
-    if scratch is None:  # NumPy under the simulator, else a Numba device array
-        scratch = (_np.empty(shape, _np.float32) if _attn.SIMULATOR
-                   else _attn.cuda.device_array(shape, _np.float32, stream=stream or 0))
+    if scratch is None:
+        scratch = _scratch(shape, _np.float32, stream)
     if tuple(scratch.shape[1:]) != shape[1:] or scratch.shape[0] < 1 or scratch.dtype != _np.float32:
         raise ValueError(f"attention scratch: expected float32 [n, {', '.join(map(str, shape[1:]))}], "
                          f"got {scratch.dtype} {tuple(scratch.shape)}")
@@ -298,13 +301,9 @@ def argmax(logits, out, stream=None, part_values=None, part_ids=None) -> None:
     rows, vocab = logits.shape
     if (part_values is None) != (part_ids is None):
         raise ValueError("argmax scratch: pass both part_values and part_ids, or neither")
-    if part_values is None:  # NumPy under the simulator, else Numba device arrays (freed when
-        # the launch returns: a graph capture must pass scratch that outlives its replays)
+    if part_values is None:
         shape = argmax_scratch_shape(rows, vocab)
-        part_values = (_np.empty(shape, _np.float32) if _SIMULATOR
-                       else _cuda.device_array(shape, _np.float32, stream=stream or 0))
-        part_ids = (_np.empty(shape, _np.int64) if _SIMULATOR
-                    else _cuda.device_array(shape, _np.int64, stream=stream or 0))
+        part_values, part_ids = _scratch(shape, _np.float32, stream), _scratch(shape, _np.int64, stream)
     if (len(part_values.shape) != 2 or part_values.shape[0] != rows or part_values.shape[1] < 1
             or tuple(part_ids.shape) != tuple(part_values.shape) or part_values.dtype != _np.float32
             or part_ids.dtype != _np.int64):

@@ -133,7 +133,7 @@ def test_both_backends_share_one_set_of_argument_checks() -> None:
     from tf_async.backend.cpu import ops as cpu_ops
 
     for name in ("check_array", "check_shape", "check_affine", "check_kv", "check_kv_dtype",
-                 "kv_shape", "num_pages_of"):
+                 "kv_shape", "num_pages_of", "check_shared_expert_add"):
         assert getattr(cuda_ops, name) is getattr(checks, name) is getattr(cpu_ops, name)
     with pytest.raises(BadInputError, match="kv_write k: expected dtype float32"):
         CpuOps().kv_write(np.zeros((1, 2, 4, 1, 2), np.float32), 0, np.zeros((1, 1, 2)),

@@ -38,6 +38,15 @@ def check_shape(array: Any, name: str, shape: tuple[int, ...]) -> None:
         raise BadInputError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
 
 
+def check_shared_expert_add(h: Any, routed: Any, shared: Any, gate: Any, *, xp: Any = np) -> None:
+    """shared_expert_add's arguments: h, routed, shared float32 [rows, H], gate [rows, 1]."""
+    for name, array in (("h", h), ("routed", routed), ("shared", shared)):
+        check_array(array, f"shared_expert_add {name}", np.float32, 2, xp=xp)
+        check_shape(array, f"shared_expert_add {name}", h.shape)
+    check_array(gate, "shared_expert_add gate", np.float32, 2, xp=xp)
+    check_shape(gate, "shared_expert_add gate", (h.shape[0], 1))
+
+
 def check_affine(w: AffineWeight, *, xp: Any = np, ndim: int | None = None,
                  whole_words: bool = False) -> None:
     """Codes uint32 (rank `ndim` when given), scales/biases float32 of one group a row's

@@ -30,6 +30,7 @@ from .checks import (
     check_kv,
     check_kv_dtype,
     check_shape,
+    check_shared_expert_add,
     kv_shape,
     num_pages_of,
 )
@@ -584,18 +585,15 @@ class CudaOps:
                        flat_ids: Any, top_k: int) -> Any:
         """silu(slot @ gate_e.T) * (slot @ up_e.T) of every slot [rows * top_k, I]: int8-x
         experts read token r's row for slots r*k .. r*k + k-1; others multiply top_k copies."""
-        if self._takes_int8_x(*((gate, up) if gate_up is None else (gate_up,))):
-            if gate_up is not None:
-                return self._expert_linear(x, gate_up, flat_ids, epilogue="swiglu", x_repeat=top_k)
-            return self.silu_mul(self._expert_linear(x, gate, flat_ids, x_repeat=top_k),
-                                 self._expert_linear(x, up, flat_ids, x_repeat=top_k))
-        if isinstance(x, Int8Rows):
-            raise BadInputError("moe: int8 rows for experts that take float32 x")
-        x_slots = self.xp.repeat(x, top_k, axis=0)
+        rows, repeat = x, top_k
+        if not self._takes_int8_x(*((gate, up) if gate_up is None else (gate_up,))):
+            if isinstance(x, Int8Rows):
+                raise BadInputError("moe: int8 rows for experts that take float32 x")
+            rows, repeat = self.xp.repeat(x, top_k, axis=0), 1
         if gate_up is not None:
-            return self._expert_linear(x_slots, gate_up, flat_ids, epilogue="swiglu")
-        return self.silu_mul(self._expert_linear(x_slots, gate, flat_ids),
-                             self._expert_linear(x_slots, up, flat_ids))
+            return self._expert_linear(rows, gate_up, flat_ids, epilogue="swiglu", x_repeat=repeat)
+        return self.silu_mul(self._expert_linear(rows, gate, flat_ids, x_repeat=repeat),
+                             self._expert_linear(rows, up, flat_ids, x_repeat=repeat))
 
     def _takes_int8_x(self, *ws: Linear) -> bool:
         return all(self._launch.uses_int8_x(kind, words, gs)
@@ -743,12 +741,7 @@ class CudaOps:
                                    stream=self._stream())
 
     def shared_expert_add(self, h: Any, routed: Any, shared: Any, gate: Any) -> None:
-        xp = self.xp
-        for name, array in (("h", h), ("routed", routed), ("shared", shared)):
-            check_array(array, f"shared_expert_add {name}", np.float32, 2, xp=xp)
-            check_shape(array, f"shared_expert_add {name}", h.shape)
-        check_array(gate, "shared_expert_add gate", np.float32, 2, xp=xp)
-        check_shape(gate, "shared_expert_add gate", (h.shape[0], 1))
+        check_shared_expert_add(h, routed, shared, gate, xp=self.xp)
         if h.size:
             dev = self._dev
             self._gdn.shared_expert_add(dev(h), dev(routed), dev(shared), dev(gate),

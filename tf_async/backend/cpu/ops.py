@@ -22,6 +22,7 @@ from ..checks import (
     check_kv,
     check_kv_dtype,
     check_shape,
+    check_shared_expert_add,
     kv_shape,
     num_pages_of,
 )
@@ -369,11 +370,7 @@ class CpuOps:
 
     def shared_expert_add(self, h: np.ndarray, routed: np.ndarray, shared: np.ndarray,
                           gate: np.ndarray) -> None:
-        for name, array in (("h", h), ("routed", routed), ("shared", shared)):
-            check_array(array, f"shared_expert_add {name}", np.float32, 2)
-            check_shape(array, f"shared_expert_add {name}", h.shape)
-        check_array(gate, "shared_expert_add gate", np.float32, 2)
-        check_shape(gate, "shared_expert_add gate", (h.shape[0], 1))
+        check_shared_expert_add(h, routed, shared, gate)
         gdn.shared_expert_add(h, routed, shared, gate)
 
 
