@@ -50,24 +50,47 @@ def _sequential_sum(exps, warp, count):
     return total
 
 
+@cuda.jit(device=True, inline=True)
+def _lane_best(vals, lane, logits, row, m, inv_sum, prev_w, prev_e):
+    """The lane's first expert in (weight descending, id ascending) order among those it holds
+    and has not given yet: its registers in id order (a given one's weight is -1 there, as is a
+    slot past the row's experts), then the experts past ROUTE_SHARED (ids lane + ROUTE_SHARED,
+    + 32, ...) that come after (prev_w, prev_e), the last pick. (-1, E) when there is none (a
+    NaN weight is never taken)."""
+    num_experts = np.int32(logits.shape[1])
+    best_w = np.float32(-1.0)
+    best_e = num_experts
+    for j in range(ROUTE_PER_LANE):  # ids ascend with j: a tie keeps the lower id
+        if vals[j] > best_w:
+            best_w = vals[j]
+            best_e = np.int32(lane + 32 * j)
+    for e in range(ROUTE_SHARED + lane, num_experts, 32):  # ids above every register's
+        w = _weight(logits, row, e, m, inv_sum)
+        if w > best_w and _better(prev_w, prev_e, w, e):
+            best_w = w
+            best_e = np.int32(e)
+    return best_w, best_e
+
+
 @kernel
 def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
     # logits: [rows, E] f32; out_ids: [rows, k] i32; out_weights: [rows, k] f32; k <= 32. A
     # warp a row, with the bits of one thread doing it all: the max (exact in any order); the
     # softmax's sum in ascending expert order (lane 0 adds the lanes' exps, kept in shared
     # memory); then k picks, each the first in (weight descending, id ascending) order of the
-    # experts not yet picked (each lane's best, then a butterfly over the lanes: a total
-    # order, so every lane gets the same pick); the renormalisation sums the picks in slot
-    # order. Lane j keeps the first ROUTE_SHARED experts' logits, then weights, of ids j,
+    # experts not yet picked: every lane offers its own first (_lane_best), a butterfly over
+    # the lanes takes the first of those (a total order, so every lane gets the same pick),
+    # and only the lane that gave it looks for its next; the renormalisation sums the picks in
+    # slot order. Lane j keeps the first ROUTE_SHARED experts' logits, then weights, of ids j,
     # j + 32, ... in registers (loaded at once), and slot j's pick; each output is written once.
     exps = cuda.shared.array((ROUTE_WARPS, ROUTE_SHARED), np.float32)
     total_sh = cuda.shared.array(ROUTE_WARPS, np.float32)
     vals = cuda.local.array(ROUTE_PER_LANE, np.float32)  # logits, then exps, then weights
-    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    warp, lane = cuda.threadIdx.x // 32, np.int32(cuda.threadIdx.x % 32)
     row = cuda.blockIdx.x * ROUTE_WARPS + warp
     live = row < logits.shape[0]
     row = min(row, logits.shape[0] - 1)  # a warp past the last row joins the shuffles only
-    num_experts = logits.shape[1]
+    num_experts = np.int32(logits.shape[1])
     shared = min(num_experts, ROUTE_SHARED)
     for j in range(ROUTE_PER_LANE):  # every load first, then the max over them in id order
         e = lane + 32 * j
@@ -92,28 +115,15 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
         total_sh[warp] = total
     cuda.syncthreads()
     inv_sum = np.float32(1.0) / total_sh[warp]
-    for j in range(ROUTE_PER_LANE):  # the weights, as _weight has them
-        vals[j] = vals[j] * inv_sum
-    prev_w = np.float32(np.inf)
-    prev_e = -1
+    for j in range(ROUTE_PER_LANE):  # the weights, as _weight has them; -1: no expert here
+        vals[j] = vals[j] * inv_sum if lane + 32 * j < shared else np.float32(-1.0)
+    own_w, own_e = _lane_best(vals, lane, logits, row, m, inv_sum, np.float32(np.inf), np.int32(-1))
     picked = np.float32(0.0)  # the picks' sum in slot order
     mine_w = np.float32(0.0)  # slot `lane`'s pick
-    mine_e = -1
+    mine_e = np.int32(-1)
     for slot in range(top_k):
-        best_w = np.float32(-1.0)
-        best_e = num_experts
-        for j in range(ROUTE_PER_LANE):  # ids ascending: lane + 32 j, then the rest
-            e = lane + 32 * j
-            if e < shared:
-                w = vals[j]
-                if _better(prev_w, prev_e, w, e) and _better(w, e, best_w, best_e):
-                    best_w = w
-                    best_e = e
-        for e in range(ROUTE_SHARED + lane, num_experts, 32):
-            w = _weight(logits, row, e, m, inv_sum)
-            if _better(prev_w, prev_e, w, e) and _better(w, e, best_w, best_e):
-                best_w = w
-                best_e = e
+        best_w = own_w
+        best_e = own_e
         offset = 16
         while offset > 0:  # ids as floats: exact below 2**24 (the simulator shuffles floats)
             other_w = _shfl_xor(best_w, offset)
@@ -126,8 +136,11 @@ def moe_route(logits, top_k, norm_topk_prob, out_ids, out_weights):
             mine_w = best_w
             mine_e = best_e
         picked += best_w
-        prev_w = best_w
-        prev_e = best_e
+        if own_e == best_e:  # this lane gave the pick: drop it, offer its next
+            for j in range(ROUTE_PER_LANE):
+                if np.int32(lane + 32 * j) == best_e:
+                    vals[j] = np.float32(-1.0)
+            own_w, own_e = _lane_best(vals, lane, logits, row, m, inv_sum, best_w, best_e)
     if live and lane < top_k:
         out_ids[row, lane] = mine_e if mine_e < num_experts else -1
         out_weights[row, lane] = mine_w / picked if norm_topk_prob else mine_w
