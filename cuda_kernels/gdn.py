@@ -3,8 +3,9 @@ an optional `stream`). Arguments are device arrays (CuPy or Numba) or, in the si
 in tests, host NumPy arrays. Imports numba/numpy/math only.
 
 Layout of the work:
-- conv: one thread per channel; it walks the rows in order and carries its channel of the
-  conv state, so rows of one stream see exactly the history a one-row call would.
+- conv: one thread per channel and stream; it walks the stream's rows in order and carries
+  its channel of the conv state, so rows of one stream see exactly the history a one-row
+  call would; streams' runs of rows go to different blocks.
 - delta rule: one thread block per (stream, v-head, 32 value columns), the block's part of
   the fp32 state in registers (a warp per 32 rows of dk); rows of the stream are processed
   sequentially inside the block; a column's dot products over dk are summed per warp, then
@@ -26,6 +27,7 @@ from cuda_kernels.env import add_rn, kernel, mul_rn, warp_sum
 
 MAX_HEAD_K_DIM = 256  # shared-memory q/k rows of the delta-rule block
 MAX_CONV_HISTORY = 8  # K - 1 of a frozen lane's conv history held by a thread
+CONV_RUN_BLOCKS = 64  # grid rows of a batched conv launch: streams' runs of rows in parallel
 _ELEMENTWISE_THREADS = 128
 
 
@@ -86,22 +88,29 @@ def _conv_rows_kernel(x, conv_state, weight, out):
 
 @kernel
 def _conv_batch_kernel(x, conv_states, weight, row_seq, frozen, out):
+    # grid (channel blocks, CONV_RUN_BLOCKS or fewer): block y takes the runs of rows (a
+    # stream's rows, contiguous) that start at rows y, y + gridDim.y, ...; a thread walks its
+    # channel through a run in order, as one thread walked every row before.
     c = cuda.grid(1)
     if c >= x.shape[1]:
         return
     num_hist = conv_states.shape[1]
     history = cuda.local.array(MAX_CONV_HISTORY, float32)
-    held = -1
-    for r in range(x.shape[0]):
-        slot = row_seq[r]
+    for first in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
+        slot = row_seq[first]
+        if first > 0 and row_seq[first - 1] == slot:
+            continue  # not the first row of its stream's run
+        end = first + 1
+        while end < x.shape[0] and row_seq[end] == slot:
+            end += 1
         if frozen[slot]:
-            if slot != held:
-                for j in range(num_hist):
-                    history[j] = conv_states[slot, j, c]
-                held = slot
-            out[r, c] = _conv_history_step(history, num_hist, c, weight, x[r, c])
+            for j in range(num_hist):
+                history[j] = conv_states[slot, j, c]
+            for r in range(first, end):
+                out[r, c] = _conv_history_step(history, num_hist, c, weight, x[r, c])
         else:
-            out[r, c] = _conv_channel_step(conv_states[slot], c, weight, x[r, c])
+            for r in range(first, end):
+                out[r, c] = _conv_channel_step(conv_states[slot], c, weight, x[r, c])
 
 
 def causal_conv1d_step(x, conv_state, weight, out, stream=0) -> None:
@@ -119,14 +128,18 @@ def causal_conv1d_rows(x, conv_state, weight, out, stream=0) -> None:
 
 def causal_conv1d_batch(x, conv_states, weight, row_seq, frozen, out, stream=0) -> None:
     """Rows of many streams. conv_states: [slots, K-1, C]; row_seq: [rows] int32; frozen:
-    [slots] uint8 (a frozen slot's rows, contiguous, run from a thread's copy of its history;
-    its state stays as it was)."""
+    [slots] uint8 (a frozen slot's rows run from a thread's copy of its history; its state
+    stays as it was). The rows of one stream must be contiguous and in time order (as for
+    `gated_delta_rule_batch`): its run is one thread's work a channel, other runs go in
+    parallel."""
     if conv_states.shape[1] > MAX_CONV_HISTORY:
         raise ValueError(f"causal conv: kernel size {conv_states.shape[1] + 1} > "
                          f"{MAX_CONV_HISTORY + 1}")
     threads = _ELEMENTWISE_THREADS
-    _conv_batch_kernel[_blocks(x.shape[1], threads), threads, stream](
-        x, conv_states, weight, row_seq, frozen, out)
+    if x.shape[0] == 0:
+        return
+    grid = (_blocks(x.shape[1], threads), min(x.shape[0], CONV_RUN_BLOCKS))
+    _conv_batch_kernel[grid, threads, stream](x, conv_states, weight, row_seq, frozen, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,11 +237,15 @@ def _delta_rows(q, k, v, g, beta, head_state, keep, r0, r1, h, hk, out):
     tid, lane, warp = cuda.threadIdx.x, cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
     warps = cuda.blockDim.x // 32
     head_k_dim, head_v_dim = q.shape[2], v.shape[2]
-    col = cuda.blockIdx.z * 32 + lane
+    # Indices as unsigned integers: Numba adds no negative-index wraparound to their loads
+    # (with it, each of the 2 x 32 state accesses of a thread cost ~15 instructions of 64-bit
+    # address arithmetic and the kernel 174 registers).
+    col = np.uint64(cuda.blockIdx.z * 32 + lane)
     live = col < head_v_dim
-    base = warp * DELTA_ROWS_A_WARP
+    base = np.uint64(warp * DELTA_ROWS_A_WARP)
+    rows_here = min(np.uint64(DELTA_ROWS_A_WARP), np.uint64(max(head_k_dim - warp * DELTA_ROWS_A_WARP, 0)))
     for i in range(DELTA_ROWS_A_WARP):
-        s[i] = head_state[base + i, col] if live and base + i < head_k_dim else float32(0.0)
+        s[i] = head_state[base + np.uint64(i), col] if live and i < rows_here else float32(0.0)
     for r in range(r0, r1):
         cuda.syncthreads()  # the previous row is done with q_sh, k_sh and red_o
         for i in range(tid, head_k_dim, cuda.blockDim.x):
@@ -238,10 +255,10 @@ def _delta_rows(q, k, v, g, beta, head_state, keep, r0, r1, h, hk, out):
         alpha = math.exp(g[r, h])
         part = float32(0.0)
         for i in range(DELTA_ROWS_A_WARP):
-            if base + i < head_k_dim:
+            if i < rows_here:
                 decayed = s[i] * alpha
                 s[i] = decayed
-                part += decayed * k_sh[base + i]
+                part += decayed * k_sh[base + np.uint64(i)]
         red_a[warp, lane] = part
         cuda.syncthreads()
         acc = red_a[0, lane]
@@ -251,10 +268,10 @@ def _delta_rows(q, k, v, g, beta, head_state, keep, r0, r1, h, hk, out):
         beta_err = beta[r, h] * (v_j - acc)
         part = float32(0.0)
         for i in range(DELTA_ROWS_A_WARP):
-            if base + i < head_k_dim:
-                written = s[i] + k_sh[base + i] * beta_err
+            if i < rows_here:
+                written = s[i] + k_sh[base + np.uint64(i)] * beta_err
                 s[i] = written
-                part += written * q_sh[base + i]
+                part += written * q_sh[base + np.uint64(i)]
         red_o[warp, lane] = part
         cuda.syncthreads()
         if warp == 0 and live:
@@ -264,8 +281,8 @@ def _delta_rows(q, k, v, g, beta, head_state, keep, r0, r1, h, hk, out):
             out[r, h, col] = o_j
     if keep and live:
         for i in range(DELTA_ROWS_A_WARP):
-            if base + i < head_k_dim:
-                head_state[base + i, col] = s[i]
+            if i < rows_here:
+                head_state[base + np.uint64(i), col] = s[i]
 
 
 @kernel
