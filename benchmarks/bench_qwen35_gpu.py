@@ -317,7 +317,8 @@ async def decode_run(ckpt, name: str, streams: int, mode: str, args,
     drafter = None if mode == "plain" else f"dflash:{args.dflash_path}" if dflash else "mtp"
     async with Engine(ckpt, device=args.device, parallel=streams, ctx=args.ctx, kv_dtype=args.kv,
                       step_tokens=max(512, streams * args.prompt_tokens), page_size=16,
-                      drafter=drafter, draft_tokens=15 if dflash else args.draft_tokens) as eng:
+                      drafter=drafter, draft_tokens=15 if dflash else args.draft_tokens,
+                      decode_steps=args.decode_steps if mode == "plain" else 1) as eng:
         if mode.endswith(("-full", "-zero")):
             sched = eng.parts.scheduler
             sched.drafter = ForcedDrafts(sched.drafter, truth, mode.endswith("-full"),
@@ -410,6 +411,8 @@ def main() -> None:
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="decode steps a round of the plain runs (the engine's --decode-steps)")
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--ctx", type=int, default=4096, help="context of the decode runs")
     parser.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
