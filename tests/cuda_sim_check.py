@@ -728,6 +728,7 @@ def check_moe(rng: np.random.Generator) -> None:
     want_ids, want_w = moe_route_ref(wide, 4, True)
     assert np.array_equal(wide_ids, want_ids) and rel_err(wide_w, want_w) < 1e-6
     _check_moe_route_256(rng)
+    _check_moe_route_wide(rng)
     y = rng.standard_normal((15, 150)).astype(np.float32)  # two column blocks
     out = np.full((5, 150), np.nan, np.float32)
     launch.moe_combine(y, weights, out)
@@ -760,6 +761,28 @@ def _check_moe_route_256(rng: np.random.Generator) -> None:
         assert "top_k" in str(exc)
     else:
         raise AssertionError("moe_route took more picks than a warp has lanes")
+
+
+def _check_moe_route_wide(rng: np.random.Generator) -> None:
+    """More experts than a warp keeps in registers (600 > ROUTE_SHARED: ids 512.. are read from
+    logits each time a lane looks for its next), top 8: one lane giving its four first picks
+    from registers and past them in turn, a tie between a register expert and one past them
+    (the lower id first), a row whose last experts are -inf, and top 32 (every lane a slot)."""
+    from cuda_kernels import launch, moe
+
+    experts = moe.ROUTE_SHARED + 88
+    logits = (rng.standard_normal((3, experts)) * 2).astype(np.float32)
+    logits[0, [3, 35, 67, 515]] = [30.0, 29.0, 28.0, 28.5]  # lane 3 gives picks 1-4
+    logits[1, [517, 5]] = 25.0  # same lane, same weight: 5 before 517
+    logits[2, 300:] = -np.inf
+    for top_k in (8, 32):
+        for norm in (False, True):
+            ids = np.full((3, top_k), -1, np.int32)
+            weights = np.full((3, top_k), np.nan, np.float32)
+            launch.moe_route(logits, top_k, norm, ids, weights)
+            want_ids, want_w = moe_route_ref(logits, top_k, norm)
+            assert np.array_equal(ids, want_ids) and rel_err(weights, want_w) < 1e-6, (top_k, norm)
+    assert list(ids[0, :4]) == [3, 35, 515, 67] and list(ids[1, :2]) == [5, 517]
 
 
 def _check_split_argmax(rng: np.random.Generator) -> None:
