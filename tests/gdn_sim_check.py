@@ -90,6 +90,30 @@ def check_conv() -> None:
     assert np.array_equal(held_states[1], before[1]) and np.array_equal(held_states[0], states[0])
 
 
+def check_conv_many_streams(streams: int = cuda_gdn.CONV_RUN_BLOCKS + 6) -> None:
+    """More streams than a batched conv launch has grid rows (so a block takes several runs),
+    runs of 1 or 2 rows, slots in no order, every 7th lane frozen: each stream's rows and state
+    are those of the stream alone (its state untouched when frozen)."""
+    rng = np.random.default_rng(12)
+    channels, hist = 20, 3
+    weight = rng.standard_normal((channels, hist + 1)).astype(np.float32)
+    slots = rng.permutation(streams).astype(np.int32)
+    runs = 1 + (np.arange(streams) % 3 == 0)
+    row_seq = np.repeat(slots, runs)
+    x = rng.standard_normal((row_seq.size, channels)).astype(np.float32)
+    states = rng.standard_normal((streams, hist, channels)).astype(np.float32)
+    frozen = (np.arange(streams) % 7 == 0).astype(np.uint8)
+    batch_states, out = states.copy(), np.full(x.shape, np.nan, np.float32)
+    cuda_gdn.causal_conv1d_batch(x, batch_states, weight, row_seq, frozen, out)
+    for slot in range(streams):
+        rows = row_seq == slot
+        alone_state, alone = states[slot].copy(), np.empty((int(rows.sum()), channels), np.float32)
+        cuda_gdn.causal_conv1d_rows(x[rows], alone_state, weight, alone)
+        assert np.array_equal(out[rows], alone), f"slot {slot}: batch rows != alone"
+        want = states[slot] if frozen[slot] else alone_state
+        assert np.array_equal(batch_states[slot], want), f"slot {slot}: state"
+
+
 def _both(name: str, *args: np.ndarray | float | int, outs: list[np.ndarray]) -> None:
     """Run CUDA and CPU kernel `name` on copies of `outs`; compare every output."""
     cpu_outs = [o.copy() for o in outs]
@@ -135,6 +159,7 @@ def main() -> None:
     check_delta(3, 1, 2, 72, 40)  # three warps (the last one partly past dk), two column blocks
     check_delta_batch()
     check_conv()
+    check_conv_many_streams()
     check_small_kernels()
     check_shared_expert_add()
     print("gdn simulator checks passed")
