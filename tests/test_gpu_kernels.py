@@ -544,6 +544,32 @@ def test_moe_against_cpu(ops, rng) -> None:
     assert np.array_equal(solo[0], got[4])
 
 
+@pytest.mark.parametrize("kind", ["f32", "q4"])
+def test_moe_with_fused_gate_up_gives_the_bits_of_gate_and_up(ops, rng, kind) -> None:
+    """ops.moe(..., gate_up=concat_linears([gate, up])) as the decoders call it (gate and up
+    then views of the concatenation) == gate and up apart, bit for bit: 1 and 7 rows, and 200
+    rows of top 3 (600 slots: the sorted path for int8-x experts)."""
+    from tf_async.backend.weights import DenseWeight, quantize_affine
+
+    hidden, inter, experts = 256, 128, 8
+
+    def stack(*shape):
+        w = rng.standard_normal(shape).astype(np.float32)
+        return DenseWeight(w) if kind == "f32" else quantize_affine(w, 4, 64)
+
+    router = ops.upload_linear(DenseWeight(rng.standard_normal((experts, hidden)).astype(np.float32)))
+    gate, up, down = (ops.upload_linear(stack(experts, *shape))
+                      for shape in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    xs = [ops.asarray(rng.standard_normal((n, hidden)).astype(np.float32)) for n in (1, 7, 200)]
+    apart = [ops.to_host(ops.moe(x, router, gate, up, down, 3, True)) for x in xs]
+    fused = ops.concat_linears([gate, up])
+    assert fused is not None, kind
+    gate_up, (gate_view, up_view) = fused[0], fused[1]
+    for x, want in zip(xs, apart, strict=True):
+        got = ops.to_host(ops.moe(x, router, gate_view, up_view, down, 3, True, gate_up=gate_up))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (kind, x.shape)
+
+
 @pytest.mark.parametrize("rows", [1, 9])
 def test_moe_route_256_experts_top_8(ops, rng, rows) -> None:
     """A 35B MoE's routing (256 experts, top 8), norm on and off: the float64 reference's ids

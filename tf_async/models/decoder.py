@@ -126,6 +126,10 @@ class Decoder:
             assert layer.down is not None
             a = ops.rms_norm_for(h, layer.post_norm, eps, fused.gate_up)
             ops.linear_into(ops.swiglu_linear(a, fused.gate_up), layer.down, h)
+        elif fused.experts_gate_up is not None:  # one quantization for router and experts
+            assert layer.router is not None
+            a = ops.rms_norm_for(h, layer.post_norm, eps, [layer.router, fused.experts_gate_up])
+            h += self._mlp(index, layer, a)
         else:
             h += self._mlp(index, layer, ops.rms_norm(h, layer.post_norm, eps))
 
@@ -145,20 +149,24 @@ class Decoder:
         ops, cfg = self.ops, self.config
         if layer.router is not None:
             assert layer.experts_gate and layer.experts_up and layer.experts_down
+            fused = self.fused[index]
             return ops.moe(a, layer.router, layer.experts_gate, layer.experts_up, layer.experts_down,
-                           cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                           cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           gate_up=fused.experts_gate_up if fused is not None else None)
         assert layer.gate and layer.up and layer.down
         return ops.linear(ops.silu_mul(ops.linear(a, layer.gate), ops.linear(a, layer.up)), layer.down)
 
 
 @dataclass(frozen=True, slots=True)
 class FusedLayer:
-    """A layer's concatenated weights for the fused path: q|k|v (and their biases), and
-    gate|up of a dense MLP (None for MoE layers)."""
+    """A layer's concatenated weights for the fused path: q|k|v (and their biases), gate|up
+    of a dense MLP (None for MoE layers), and an MoE layer's experts' [gate; up] (one grouped
+    launch on CUDA; None where the backend keeps them apart)."""
 
     qkv: FusedLinear
     qkv_bias: Array | None
     gate_up: FusedLinear | None
+    experts_gate_up: FusedLinear | None = None  # MoE: each expert's [gate; up], stacked
 
 
 def _fuse_layers(weights: ModelWeights, ops: Ops) -> list[FusedLayer | None]:
@@ -177,11 +185,17 @@ def _fuse_layers(weights: ModelWeights, ops: Ops) -> list[FusedLayer | None]:
         gate_up = None
         if layer.gate is not None and layer.up is not None:
             gate_up = ops.concat_linears([layer.gate, layer.up])
+        experts = None
+        if layer.experts_gate is not None and layer.experts_up is not None:
+            experts = ops.concat_linears([layer.experts_gate, layer.experts_up])
         views: dict[str, Any] = {"q": qkv[1][0], "k": qkv[1][1], "v": qkv[1][2]}
         if gate_up is not None:
             views.update(gate=gate_up[1][0], up=gate_up[1][1])
+        if experts is not None:
+            views.update(experts_gate=experts[1][0], experts_up=experts[1][1])
         weights.layers[i] = replace(layer, **views)
-        fused.append(FusedLayer(qkv[0], qkv_bias, gate_up[0] if gate_up is not None else None))
+        fused.append(FusedLayer(qkv[0], qkv_bias, gate_up[0] if gate_up is not None else None,
+                                experts[0] if experts is not None else None))
     return fused
 
 
