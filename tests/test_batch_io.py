@@ -4,6 +4,7 @@ indices from the host copy without touching the device, then loading the static 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -270,8 +271,8 @@ def test_graph_decoder_captures_at_most_max_graphs_shapes(monkeypatch: pytest.Mo
     graphed.max_graphs = 2
     calls: list[str] = []
     graphed.decoder.forward = lambda batch, kv, scales, **kw: calls.append("eager") or ("logits", "hidden")
-    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales: (calls.append("capture") or "cap",
-                                                                          ("logits", "hidden")))
+    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales, layers: (
+        calls.append("capture") or "cap", ("logits", "hidden")))
     monkeypatch.setattr(graphed, "_replay", lambda cap, batch: calls.append("replay") or ("logits", "hidden"))
     kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
     scales = np.ones((1, 2), np.float32)  # one array: the shape key holds the cache's ids
@@ -301,20 +302,50 @@ def test_graph_decoder_serves_every_row_hidden_only_when_every_row_is_a_logit_ro
     calls: list[tuple[str, bool]] = []
     graphed.decoder.forward = lambda batch, kv, scales, all_hidden=False: (
         calls.append(("eager", all_hidden)) or ("logits", "hidden"))
-    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales: (
+    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales, layers: (
         calls.append(("capture", False)) or "cap", ("logits", "hidden")))
     kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
     scales = np.ones((1, 2), np.float32)
-
-    def round_of(logit_rows: list[int]) -> ForwardBatch:
-        return pack_batch(CpuOps(), token_ids=[3, 4], positions=[2, 3], row_seq=[0, 0],
-                          block_table=np.zeros((1, 4), np.int32), logit_rows=logit_rows,
-                          page_size=PAGE, slots=[6, 7])
-
-    graphed.forward(round_of([0, 1]), kv, scales, all_hidden=True)
-    graphed.forward(round_of([1]), kv, scales, all_hidden=True)
+    graphed.forward(_two_rows([0, 1]), kv, scales, all_hidden=True)
+    graphed.forward(_two_rows([1]), kv, scales, all_hidden=True)
     first = ("capture", False) if capture_verify else ("eager", True)
     assert calls == [first, ("eager", True)]
+
+
+def _two_rows(logit_rows: list[int], layers: tuple[int, ...] = ()) -> ForwardBatch:
+    batch = pack_batch(CpuOps(), token_ids=[3, 4], positions=[2, 3], row_seq=[0, 0],
+                       block_table=np.zeros((1, 4), np.int32), logit_rows=logit_rows,
+                       page_size=PAGE, slots=[6, 7])
+    return replace(batch, capture_layers=layers)
+
+
+@pytest.mark.parametrize("capture_verify", [False, True])
+def test_graph_decoder_captures_rounds_that_hand_out_layers(
+        monkeypatch: pytest.MonkeyPatch, capture_verify: bool) -> None:
+    """forward(all_hidden=True) of a round with capture_layers (the DFlash drafter's rounds)
+    goes to a graph captured with those layers (one a set of layers, then replayed) when
+    CAPTURE_VERIFY_ROUNDS is on and every row is a logit row; a prompt-shaped round, or any
+    with the flag off, runs eagerly with every row's layers."""
+    from tf_async.models import graph_decoder
+
+    monkeypatch.setattr(graph_decoder, "CAPTURE_VERIFY_ROUNDS", capture_verify)
+    graphed = _graph_decoder()
+    graphed.ops.device_checks = False
+    calls: list[Any] = []
+    graphed.decoder.forward = lambda batch, kv, scales, all_hidden=False: (
+        calls.append(("eager", batch.capture_layers, all_hidden)) or ("logits", "hidden"))
+    monkeypatch.setattr(graphed, "_capture", lambda batch, kv, scales, layers: (
+        calls.append(("capture", layers)) or "cap", ("logits", "hidden")))
+    monkeypatch.setattr(graphed, "_replay", lambda cap, batch: calls.append("replay") or ("logits", "hidden"))
+    kv = np.zeros((1, 2, SLOTS, 1, 1), np.float32)
+    scales = np.ones((1, 2), np.float32)
+    for logit_rows, layers in (([0, 1], (1, 3)), ([0, 1], (1, 3)), ([0, 1], (2,)), ([1], (1, 3))):
+        graphed.forward(_two_rows(logit_rows, layers), kv, scales, all_hidden=True)
+    if capture_verify:
+        assert calls == [("capture", (1, 3)), "replay", ("capture", (2,)), ("eager", (1, 3), True)]
+        assert graphed.num_feature_replays == 1
+    else:
+        assert calls == [("eager", (1, 3), True)] * 2 + [("eager", (2,), True), ("eager", (1, 3), True)]
 
 
 def _captured(batch: ForwardBatch, max_pages: int) -> Any:

@@ -152,16 +152,75 @@ def targets(ops, tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return out
 
 
+@pytest.mark.parametrize("name", ["dense2", "hybrid2"])
+def test_rounds_that_capture_layers_replay_graphs_with_the_eager_bits(targets, name) -> None:
+    """GraphDecoder, rounds handing out target layers' outputs (what DFlash reads): replayed
+    from graphs (1- and 4-row rounds, every row a logit row) with the eager decoder's logits,
+    layer rows and KV bits; a prompt-shaped round runs eagerly in both."""
+    from dataclasses import replace
+
+    import cupy
+
+    from tf_async.backend.cuda_ops import CudaOps
+    from tf_async.models.batch_io import pack_batch
+    from tf_async.models.graph_decoder import GraphDecoder
+    from tf_async.models.loader import make_decoder
+
+    ckpt, _ = targets[name]
+    page = 4
+
+    def drive(decoder: Any) -> list[np.ndarray]:
+        cfg, hybrid = decoder.config, decoder.states is not None
+        layers = (0, cfg.num_layers - 2)
+        kv = decoder.ops.alloc_kv(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, "f32")
+        scales = decoder.ops.asarray(np.ones((cfg.num_layers, 2), np.float32))
+        if hybrid:
+            decoder.states.zero(0)
+        local, pos, seen = np.random.default_rng(3), 0, []
+        for n, logits_of in ((6, [5]), (1, None), (1, None), (4, None), (1, None), (4, None), (4, None)):
+            batch = pack_batch(decoder.ops, token_ids=local.integers(3, cfg.vocab_size, n),
+                               positions=np.arange(pos, pos + n), row_seq=np.zeros(n, np.int32),
+                               block_table=np.arange(16, dtype=np.int32)[None], page_size=page,
+                               logit_rows=np.arange(n) if logits_of is None else logits_of,
+                               slots=np.arange(pos, pos + n), seq_lanes=[0] if hybrid else None)
+            logits, rows = decoder.forward(replace(batch, capture_layers=layers), kv, scales,
+                                           all_hidden=True)
+            assert rows.shape == (n, len(layers) * cfg.hidden_size)
+            seen += [cupy.asnumpy(logits), cupy.asnumpy(rows)]
+            pos += n
+        return [*seen, cupy.asnumpy(kv)]
+
+    eager = drive(make_decoder(ckpt, CudaOps(), num_lanes=1))
+    graphed = GraphDecoder(make_decoder(ckpt, CudaOps(), num_lanes=1))  # type: ignore[arg-type]
+    replayed = drive(graphed)
+    for i, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"output {i}: graphed != eager"
+    assert graphed.num_feature_replays >= 3 and all(g is not None for g in graphed._graphs.values())
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", ["dense1", "dense2", "hybrid2"])
-async def test_every_gate_holds_with_dflash_on_the_gpu(targets, name) -> None:
+async def test_every_gate_holds_with_dflash_on_the_gpu(targets, name, monkeypatch) -> None:
+    """drafted == plain in every gate; the target's rounds that hand DFlash its layers replay
+    graphs."""
+    from tf_async.engine import build
     from tf_async.gate import PROMPTS, run_gates
+    from tf_async.models.graph_decoder import GraphDecoder
 
+    made: list[Any] = []
+    maybe_graphs = build._maybe_graphs
+
+    def recorded(decoder: Any, graphs: bool) -> Any:
+        made.append(maybe_graphs(decoder, graphs))
+        return made[-1]
+
+    monkeypatch.setattr(build, "_maybe_graphs", recorded)
     ckpt, spec = targets[name]
     rows, idle = await run_gates(ckpt, device="cuda", max_tokens=10, ctx=128,
                                  prompts=PROMPTS[:6], drafters=(spec,), temperature=8.0)
     failed = [r for r in rows if not r.ok]
     assert not failed, failed
+    assert sum(g.num_feature_replays for g in made if isinstance(g, GraphDecoder)) > 0
     assert idle[f"drafted-{spec}-seeded"]["drafted_tokens"] > 0, sorted(idle)
     assert all(s["pages_in_use"] == 0 and s["lanes_in_use"] == 0 for s in idle.values())
     assert all(s.get("draft_areas_in_use", 0) == 0 for s in idle.values())

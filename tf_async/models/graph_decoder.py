@@ -21,7 +21,10 @@ way).
 Verify rounds (CAPTURE_VERIFY_ROUNDS): a hybrid round that stashes its frozen rows reads the
 stash plan from the states' plan buffer (one entry a batch row), and a round that wants every
 row's hidden (the MTP drafter) returns the graph's hidden rows when every row is a logit row,
-in order (the final norm is a per-row op: the same bits). On by default (every GPU gate holds
+in order (the final norm is a per-row op: the same bits). A round that hands out target
+layers' outputs (`capture_layers`, the DFlash drafter's features) is captured with them: its
+graph's hidden rows are those layers' outputs of every row, side by side (copies the graph
+makes after each such layer), keyed by the layers. On by default (every GPU gate holds
 with it, tests/test_gpu_qwen35.py); off, those rounds run eagerly. The commit of accepted
 draft rows (`commit_states`) replays a graph a row count (models/call_graphs.py).
 
@@ -108,9 +111,10 @@ class GraphDecoder:
         # Programmatic edges between the round's kernels where the GPU and driver allow
         # (cuda_kernels/graphs.py): the same kernels in the same order, launched sooner.
         self.programmatic = programmatic
-        self._graphs: dict[tuple[int, ...], _Captured | None] = {}  # None: eager (capture failed)
+        self._graphs: dict[tuple[Any, ...], _Captured | None] = {}  # None: eager (capture failed)
         self.num_replays = 0  # rounds served from a graph (tests and benchmarks read it)
         self.num_verify_replays = 0  # of which rounds that stashed verify rows
+        self.num_feature_replays = 0  # of which rounds that handed out target layers (DFlash)
         self._greedy: tuple[Array, Array] | None = None  # (latest replay's logits, their argmax)
         # Hybrids: the commit of accepted draft rows (conv + delta rule over every GDN layer,
         # ~4 launches a layer) replays a graph a row count.
@@ -153,7 +157,8 @@ class GraphDecoder:
                 all_hidden: bool = False) -> tuple[Array, Array]:
         """Decoder.forward, replayed from a graph when the round is a decode-shaped one."""
         self._greedy = None
-        if all_hidden and not _hidden_is_every_row(batch):
+        layers = batch.capture_layers if all_hidden else ()
+        if all_hidden and not (layers and CAPTURE_VERIFY_ROUNDS) and not _hidden_is_every_row(batch):
             return self.decoder.forward(batch, kv, kv_scales, all_hidden=True)
         rows = int(batch.token_ids.shape[0])
         decode_shaped = 0 < rows <= self.max_rows and int(batch.logit_rows.shape[0]) == rows
@@ -173,17 +178,18 @@ class GraphDecoder:
         if states is not None and isinstance(self.decoder, HybridDecoder):
             self.decoder.row_lanes(batch, states, check_only=True)  # the graph reads the table
         stash = states.graph_inputs() if states is not None else ()
-        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales), id(states),
+        key = (rows, seqs, batch.page_size, id(kv), id(kv_scales), id(states), layers,
                *(id(a) for a in stash))
         if key in self._graphs:
             captured = self._graphs[key]
             if captured is None:  # its capture failed: this shape runs eagerly
                 return self.decoder.forward(batch, kv, kv_scales, all_hidden=all_hidden)
             self.num_verify_replays += bool(stash)
+            self.num_feature_replays += bool(layers)
             return self._replay(captured, batch)
         if len(self._graphs) >= self.max_graphs:
             return self.decoder.forward(batch, kv, kv_scales, all_hidden=all_hidden)
-        made, outputs = self._capture(batch, kv, kv_scales)
+        made, outputs = self._capture(batch, kv, kv_scales, layers)
         self._graphs[key] = made
         return outputs
 
@@ -193,7 +199,7 @@ class GraphDecoder:
         states = self.states
         if states is None:
             return batch.seq_lanes is None
-        return (batch.seq_lanes is not None and not batch.capture_layers
+        return (batch.seq_lanes is not None and (not batch.capture_layers or CAPTURE_VERIFY_ROUNDS)
                 and (states.stash_plan is None or CAPTURE_VERIFY_ROUNDS))
 
     # ------------------------------------------------------------------ replay
@@ -211,15 +217,16 @@ class GraphDecoder:
         self._greedy = (logits, _copied(xp, cap.greedy))
         return logits, _copied(xp, cap.hidden)
 
-    def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array
+    def _capture(self, batch: ForwardBatch, kv: Array, kv_scales: Array, layers: tuple[int, ...]
                  ) -> tuple[_Captured | None, tuple[Array, Array]]:
         """Run the round eagerly on a private stream and pool (compiles every kernel and sizes
         the pool), then capture the same round; return the capture (None: a hybrid round
-        that could not be captured) and the eager outputs."""
+        that could not be captured) and the eager outputs. `layers`: the target layers whose
+        outputs the round hands out as its hidden rows (every row's, side by side)."""
         xp = self.ops.xp
         caller = xp.cuda.get_current_stream()
         # A blocking stream: ordered with the legacy default stream the engine uses.
-        layout, buffer, static = _static_batch(xp, batch, kv)
+        layout, buffer, static = _static_batch(xp, batch, kv, layers)
         states = self.states
         cap = _Captured(xp.cuda.Stream(non_blocking=False), xp.cuda.MemoryPool(), layout, buffer,
                         static, kv, kv_scales, states,
@@ -227,7 +234,7 @@ class GraphDecoder:
         cap.stream.wait_event(caller.record())
         with xp.cuda.using_allocator(cap.pool.malloc), cap.stream, self.ops.unchecked():
             _load(xp, cap, batch)
-            logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales)
+            logits, hidden = self.decoder.forward(cap.batch, kv, kv_scales, all_hidden=bool(layers))
             outputs = (logits.copy(), hidden.copy())
             made: _Captured | None = cap
             try:
@@ -244,7 +251,8 @@ class GraphDecoder:
     def _record(self, cap: _Captured, kv: Array, kv_scales: Array) -> None:
         """Capture the round (its kernels are compiled and its pool sized by then)."""
         def record() -> None:
-            cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales)
+            cap.logits, cap.hidden = self.decoder.forward(cap.batch, kv, kv_scales,
+                                                          all_hidden=bool(cap.batch.capture_layers))
             cap.greedy = self.ops.argmax(cap.logits)
 
         if self.programmatic:
@@ -306,16 +314,17 @@ def _captured_rows(decoder: Decoder | HybridDecoder, max_rows: int) -> int:
     return min(max_rows, (MOE_SORTED_MIN_SLOTS - 1) // top_k)
 
 
-def _static_batch(xp: Any, batch: ForwardBatch, kv: Array) -> tuple[Layout, Array, ForwardBatch]:
+def _static_batch(xp: Any, batch: ForwardBatch, kv: Array, layers: tuple[int, ...] = ()
+                  ) -> tuple[Layout, Array, ForwardBatch]:
     """Input buffers of a graph: one packed buffer (batch_io's layout; the lane table when the
-    round has one) and the batch of its views; the block table is as wide as the arena has
-    pages."""
+    round has one) and the batch of its views, capturing `layers`; the block table is as wide
+    as the arena has pages."""
     rows, seqs = batch.token_ids.shape[0], batch.block_table.shape[0]
     layout = Layout(rows, rows, seqs, kv.shape[2] // batch.page_size, batch.seq_lanes is not None)
     buffer = xp.zeros(layout.words, xp.int64)
     v = layout.views(buffer, xp)
     static = ForwardBatch(v.token_ids, v.positions, v.slots, v.row_seq, v.block_table,
-                          v.logit_rows, batch.page_size, v.seq_lanes)
+                          v.logit_rows, batch.page_size, v.seq_lanes, capture_layers=layers)
     return layout, buffer, static
 
 
