@@ -90,14 +90,21 @@ class DFlashModel:
         if capacity < self.context_rows_needed(start):
             raise ValueError(f"DFlash ring of {capacity} rows cannot hold the "
                              f"{self.context_rows_needed(start)} positions a block at {start} attends")
-        qpos = ops.asarray(np.arange(start, start + len(token_ids), dtype=np.int64))
+        host_qpos = np.arange(start, start + len(token_ids), dtype=np.int64)
         kpos = np.arange(max(0, start - capacity), start, dtype=np.int64)
+        qpos, ring_rows = ops.asarray(host_qpos), ops.asarray(kpos % capacity)
+        masks: dict[tuple[int | None, bool], Array] = {}  # one upload a (window, causal)
+        for window, causal in zip(c.layer_windows, c.layer_causal, strict=True):
+            if (window, causal) not in masks:
+                masks[window, causal] = ops.asarray(
+                    _visible(host_qpos, kpos, window, causal).astype(np.uint8))
         ids = ops.asarray(np.asarray(token_ids, np.int64))
         x = ops.embed(self.embed, ids) * np.float32(c.input_embedding_scale)
         for i, layer in enumerate(self.layers):
             a = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             a, after = self._conv_in(a, layer.attention_conv)
-            attn = self._attention(i, layer, a, ring, kpos, qpos)
+            visible = masks[c.layer_windows[i], c.layer_causal[i]]
+            attn = self._attention(i, layer, a, ring, ring_rows, qpos, visible)
             x = x + self._conv_out(attn, after, layer.attention_conv)
             m = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             m, after = self._conv_in(m, layer.mlp_conv)
@@ -160,19 +167,17 @@ class DFlashModel:
         return k, ops.linear(x, layer.v).reshape(shape)
 
     def _attention(self, index: int, layer: DFlashLayerWeights, a: Array, ring: Array,
-                   kpos: np.ndarray, qpos: Array) -> Array:
-        """The block's queries over ring rows kpos (ascending positions) and the block."""
+                   ring_rows: Array, qpos: Array, visible: Array) -> Array:
+        """The block's queries over the ring's rows ring_rows (the positions the block attends,
+        ascending) and the block; visible [B, T] uint8 (_visible)."""
         ops, c, xp = self.ops, self.cfg, self.ops.xp
         rows = a.shape[0]
         q = ops.rms_norm(ops.linear(a, layer.q).reshape(rows, c.num_heads, c.head_dim),
                          layer.q_norm, c.rms_norm_eps)
         ops.rope(q, qpos, self.inv_freq, self.mscale)
         k, v = self._kv(layer, a, qpos)
-        ring_rows = ops.asarray(kpos % ring.shape[2])
         keys = xp.concatenate([ring[index, 0, ring_rows], k])  # [T, nkv, hd]
         values = xp.concatenate([ring[index, 1, ring_rows], v])
-        visible = ops.asarray(_visible(self.ops.to_host(qpos), kpos, c.layer_windows[index],
-                                       c.layer_causal[index]).astype(np.uint8))
         out = self.kernels.block_attention(q, keys, values, visible, c.head_dim ** -0.5)
         return ops.linear(xp.ascontiguousarray(out.reshape(rows, c.num_heads * c.head_dim)), layer.o)
 
