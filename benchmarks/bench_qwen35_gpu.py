@@ -318,7 +318,8 @@ async def decode_run(ckpt, name: str, streams: int, mode: str, args,
     async with Engine(ckpt, device=args.device, parallel=streams, ctx=args.ctx, kv_dtype=args.kv,
                       step_tokens=max(512, streams * args.prompt_tokens), page_size=16,
                       drafter=drafter, draft_tokens=15 if dflash else args.draft_tokens,
-                      decode_steps=args.decode_steps if mode == "plain" else 1) as eng:
+                      decode_steps=args.decode_steps if mode == "plain" else 1,
+                      draft_backoff=args.draft_backoff) as eng:
         if mode.endswith(("-full", "-zero")):
             sched = eng.parts.scheduler
             sched.drafter = ForcedDrafts(sched.drafter, truth, mode.endswith("-full"),
@@ -414,6 +415,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="decode steps a round of the plain runs (the engine's --decode-steps)")
     parser.add_argument("--draft-tokens", type=int, default=3)
+    parser.add_argument("--draft-backoff", type=int, default=16,
+                        help="the engine's draft pacing (0: every round drafts, as before)")
     parser.add_argument("--ctx", type=int, default=4096, help="context of the decode runs")
     parser.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -257,3 +257,56 @@ async def test_stepped_prompt_opens_the_drafter_on_the_targets_lane(tiny_llama, 
         await idle_stats(eng)
 
 
+
+
+# ---- pacing: a stream whose drafts keep failing drafts less -----------------------------------
+class _Scripted:
+    """The engine's ngram drafter behind drafts of the target's own next tokens, made wrong
+    while `wrong(output_len)` holds; records the output length of every proposal it makes."""
+
+    def __init__(self, inner, truth: list[int], vocab: int, wrong):
+        self.inner, self.truth, self.vocab, self.wrong = inner, truth, vocab, wrong
+        self.at: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
+        done = len(seq.output_ids)
+        right = self.truth[done:done + min(limit, 2)]
+        if not right:
+            return ()
+        self.at.append(done)
+        return tuple((t + 1) % self.vocab if self.wrong(done) else t for t in right)
+
+
+@pytest.mark.parametrize("backoff", [0, 4, 16])
+async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tiny_llama, backoff):
+    """draft_backoff: after n drafted rounds in a row with every draft rejected a stream skips
+    drafting for min(2**n - 1, backoff) rounds; an accepted draft resets n (drafting every
+    round again). 0: every round drafts. Outputs equal plain decode whatever the pacing."""
+    prompt, max_tokens = PROMPTS[1], 60
+    async with Engine(tiny_llama, device="cpu", parallel=1, ctx=128) as eng:
+        truth = (await eng.complete(prompt, max_tokens=max_tokens, ignore_eos=True)).token_ids
+    async with Engine(tiny_llama, device="cpu", parallel=1, ctx=128, drafter="ngram",
+                      draft_backoff=backoff) as eng:
+        sched = eng.parts.scheduler
+        sched.drafter = scripted = _Scripted(sched.drafter, truth, tiny_llama.config.vocab_size,
+                                             lambda done: done < 40)
+        out = await eng.complete(prompt, max_tokens=max_tokens, ignore_eos=True)
+        stats = eng.stats()
+    assert out.token_ids == truth
+    expected, done, misses = [], 1, 0  # the first decode round has one output token
+    while done < 40:  # every proposal rejected: one token a round
+        expected.append(done)
+        misses += 1
+        done += 1 + (min((1 << misses) - 1, backoff) if backoff else 0)
+    assert scripted.at[:len(expected)] == expected
+    tail = scripted.at[len(expected):]  # the first accepted probe resets: every round drafts
+    assert tail and all(b - a in (2, 3) for a, b in zip(tail, tail[1:], strict=False))
+    assert stats["drafted_tokens"] > 0
+
+
+def test_draft_backoff_is_checked() -> None:
+    with pytest.raises(BadInputError, match="draft_backoff"):
+        Engine(None, draft_backoff=-1)

@@ -162,7 +162,7 @@ class Engine:
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
                  cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True,
                  draft_ring: int | None = None, draft_areas: int | None = None,
-                 ngram_min: int = 2, prefix_state_pages: int = 16,
+                 ngram_min: int = 2, draft_backoff: int = 16, prefix_state_pages: int = 16,
                  prefix_state_slots: int | None = None, tensor_parallel: int = 1):
         """The keyword arguments are EngineOptions' (engine/options.py), checked here: a bad
         one raises BadInputError naming it. kv_pages and draft_areas default to the
@@ -174,7 +174,7 @@ class Engine:
             cuda_graphs=cuda_graphs, decode_steps=decode_steps, prefix_cache=prefix_cache,
             draft_ring=draft_ring,
             draft_areas=_env_int("TF_DRAFT_AREAS") if draft_areas is None else draft_areas,
-            ngram_min=ngram_min, prefix_state_pages=prefix_state_pages,
+            ngram_min=ngram_min, draft_backoff=draft_backoff, prefix_state_pages=prefix_state_pages,
             prefix_state_slots=prefix_state_slots, tensor_parallel=tensor_parallel)
         self.max_queue = max_queue
         self.ctx = ctx

@@ -82,6 +82,7 @@ def _build(options: EngineOptions, publish: Callable[[list[TokenEvent]], None]) 
     lanes = Lanes(num_lanes, runs, drain=ops.synchronize if split is None else split.synchronize)
     scheduler = Scheduler(lanes, step_tokens=options.step_tokens, ctx=options.ctx,
                           recurrent=recurrent, decode_steps=options.decode_steps,
+                          draft_backoff=options.draft_backoff,
                           cache_identity=kv_identity(ckpt, options.kv_dtype, kv_scales))
     states = decoder.states
     if states is not None and runs.cache is not None:

@@ -34,6 +34,9 @@ class EngineOptions:
     draft_ring: int | None = None  # ring rows of a drafter context (default: ctx)
     draft_areas: int | None = None  # drafter areas in the arena (default: one a lane)
     ngram_min: int = 2  # shortest suffix the ngram drafter matches
+    # After n rounds in a row whose drafts were all rejected, a stream decodes 2**n - 1 rounds
+    # without drafting, at most this many (0: it drafts every round); an accepted draft resets n.
+    draft_backoff: int = 16
     prefix_cache: bool = True  # share cached prefix pages between streams (needs paging)
     prefix_state_pages: int = 16  # hybrids: keep a recurrent state every N pages (and more)
     prefix_state_slots: int | None = None  # hybrids: kept recurrent states (default: one a lane)
@@ -61,6 +64,8 @@ class EngineOptions:
               or (_is_int(self.prefix_state_slots) and self.prefix_state_slots >= 1),
               "prefix_state_slots must be an integer >= 1", "prefix_state_slots")
         _need(_is_int(self.ngram_min) and 1 <= self.ngram_min <= 3, "ngram_min must be in [1, 3]", "ngram_min")
+        _need(_is_int(self.draft_backoff) and 0 <= self.draft_backoff <= 4096,
+              "draft_backoff must be in [0, 4096]", "draft_backoff")
         _need(_is_int(self.tensor_parallel) and 1 <= self.tensor_parallel <= 64,
               "tensor_parallel must be in [1, 64]", "tensor_parallel")
         _need(self.tensor_parallel == 1 or self.drafter in (None, "ngram")

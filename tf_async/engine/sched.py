@@ -26,9 +26,11 @@ from .sequence import RoundPlan, RoundResult, SeqRows, Sequence, TokenEvent
 
 class Scheduler:
     def __init__(self, lanes: Lanes, *, step_tokens: int, ctx: int, recurrent: bool = False,
-                 decode_steps: int = 1, cache_identity: bytes = b""):
+                 decode_steps: int = 1, draft_backoff: int = 0, cache_identity: bytes = b""):
         self.lanes = lanes
         self.decode_steps = decode_steps  # forwards a pure decode round may run in a row
+        # most rounds a stream skips drafting after rounds of rejected drafts (0: never skips)
+        self.draft_backoff = draft_backoff
         self.recurrent = recurrent  # the model keeps per-lane recurrent state (hybrids)
         self.runs = lanes.runs
         self.step_tokens = step_tokens
@@ -126,8 +128,7 @@ class Scheduler:
         lane = seq.lane
         assert lane is not None
         room = max(0, self._room_for_drafts(seq))
-        drafts = self.drafter.propose(seq, room) if self.drafter is not None else ()
-        drafts = tuple(drafts[:room])
+        drafts = tuple(self._propose(seq, room)[:room])
         new_pages = self.runs.reserve(lane, seq.num_tokens + len(drafts))
         if new_pages is None and drafts:  # out of pages: drop the drafts first
             drafts = ()
@@ -143,6 +144,28 @@ class Scheduler:
         tokens = (*seq.token_slice(seq.num_computed, seq.num_tokens), *drafts)
         return SeqRows(seq.request_id, lane, seq.num_computed, tokens, 1 + len(drafts),
                        tuple(drafts), token_choices(seq, 1 + len(drafts)))
+
+    def _propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """The drafter's proposal, or none while the stream's draft pause lasts."""
+        if self.drafter is None:
+            return ()
+        if seq.draft_pause > 0:
+            seq.draft_pause -= 1
+            return ()
+        return self.drafter.propose(seq, room)
+
+    def _pace_drafts(self, seq: Sequence, drafts: tuple[int, ...], num_new_tokens: int) -> None:
+        """After a drafted round: every draft rejected -> draft_misses += 1 and a pause of
+        2**misses - 1 rounds (at most draft_backoff); one accepted -> misses back to 0. Drafts
+        only change speed, so this changes no output: a drafter that keeps failing costs
+        little more than plain decode, one that comes right again is probed soon."""
+        if not drafts or not self.draft_backoff:
+            return
+        if num_new_tokens > 1:
+            seq.draft_misses = 0
+            return
+        seq.draft_misses += 1
+        seq.draft_pause = min(self.draft_backoff, (1 << min(seq.draft_misses, 30)) - 1)
 
     def _steps_for(self, rows: list[SeqRows], pages_to_zero: list[int]) -> int:
         """Decode steps of this round (RoundPlan.steps): up to `decode_steps` when every row is
@@ -286,6 +309,7 @@ class Scheduler:
                 break
         seq.num_drafted += len(rows.draft_ids)
         seq.num_accepted += len(new_ids) - 1 if rows.draft_ids else 0
+        self._pace_drafts(seq, rows.draft_ids, len(new_ids))
         # KV rows of rejected drafts stay in the run but beyond num_computed: overwritten later.
         # Rows before the first logit row are all kept; of the logit rows, those of accepted tokens.
         seq.num_computed = rows.committed_end(len(new_ids))

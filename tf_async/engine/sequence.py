@@ -32,6 +32,8 @@ class Sequence:
     num_preemptions: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    draft_misses: int = 0  # drafted rounds in a row with every draft rejected
+    draft_pause: int = 0  # decode rounds left without drafting (Scheduler.draft_backoff)
     cache_salt: str | None = None  # prefix cache: streams share pages only with equal salts
     page_keys: list[bytes] = field(default_factory=list)  # chain keys of full token pages
     num_published: int = 0  # pages of the current run offered to the prefix cache

@@ -92,6 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="drafter areas in the arena (default: one a lane; env TF_DRAFT_AREAS)")
     parser.add_argument("--ngram-min", type=int, default=2,
                         help="shortest suffix the ngram drafter matches (1 to 3)")
+    parser.add_argument("--draft-backoff", type=int, default=16,
+                        help="after n rounds in a row with every draft rejected, a stream skips "
+                        "drafting for 2^n - 1 rounds, at most this many (0: draft every round)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +149,7 @@ def engine_from_args(args: argparse.Namespace) -> Any:
                   cuda_graphs=args.cuda_graphs, decode_steps=args.decode_steps,
                   prefix_cache=args.prefix_cache, draft_ring=args.draft_ring,
                   draft_areas=args.draft_areas, ngram_min=args.ngram_min,
+                  draft_backoff=args.draft_backoff,
                   prefix_state_pages=args.prefix_state_pages,
                   prefix_state_slots=args.prefix_state_slots, tensor_parallel=args.tensor_parallel)
 
