@@ -38,6 +38,12 @@ PHASES = (("scheduler", "schedule"), ("runner", "execute"), ("scheduler", "updat
 # states' commit of accepted rows (hybrids), timed apart.
 DRAFT_PHASES = (("scheduler.drafter", "propose"), ("scheduler.drafter", "absorb"),
                 ("runner.decoder", "commit_states"))
+# A DFlash drafter's parts (its model's forward pieces and its own kernels), where it has them.
+DFLASH_PHASES = (("scheduler.drafter.model", "block_hidden"), ("scheduler.drafter.model", "logits"),
+                 ("scheduler.drafter.model", "write_context"),
+                 ("scheduler.drafter.model.kernels", "block_attention"),
+                 ("scheduler.drafter.model.kernels", "grouped_conv"),
+                 ("scheduler.drafter.model.kernels", "select_greedy"))
 
 
 class OpTimer:
@@ -179,21 +185,24 @@ def short_kernel_name(name: str) -> str:
 
 
 async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_tokens: int,
-                  ctx: int, drafter: str | None = None, kernels: bool = False) -> list[str]:
+                  ctx: int, drafter: str | None = None, kernels: bool = False,
+                  draft_backoff: int = 0) -> list[str]:
     from tf_async import Engine
 
     rng = np.random.default_rng(streams)
     prompts = [rng.integers(3, min(ckpt_vocab(ckpt), 30000), prompt_tokens).tolist()
                for _ in range(streams)]
     async with Engine(ckpt, device=device, parallel=streams, ctx=ctx, page_size=16,
-                      step_tokens=max(512, streams * prompt_tokens), drafter=drafter) as eng:
+                      step_tokens=max(512, streams * prompt_tokens), drafter=drafter,
+                      draft_backoff=draft_backoff) as eng:
         parts = eng.parts
         assert parts is not None
         sync = parts.ops.synchronize if device != "cpu" else None
         timer = OpTimer(sync)
         if not kernels:
             timer.install_ops(parts.ops)
-            for owner_path, method in PHASES + (DRAFT_PHASES if drafter else ()):
+            dflash = DFLASH_PHASES if drafter and drafter.startswith("dflash:") else ()
+            for owner_path, method in PHASES + (DRAFT_PHASES + dflash if drafter else ()):
                 owner: Any = parts
                 for name in owner_path.split("."):
                     owner = getattr(owner, name)
@@ -247,11 +256,13 @@ def load(model: str, device: str) -> Any:
         from tf_async.models.default import default_model_path
 
         return default_model_path()
-    import cupy as cp
-
     from benchmarks.bench_qwen35_gpu import random_checkpoint
 
-    return random_checkpoint(cp if device != "cpu" else np, model)
+    if device == "cpu":
+        return random_checkpoint(np, model)
+    import cupy as cp
+
+    return random_checkpoint(cp, model)
 
 
 def main() -> None:
@@ -262,7 +273,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, default=1024)
-    p.add_argument("--drafter", default=None, help="e.g. mtp or ngram: rounds that draft")
+    p.add_argument("--drafter", default=None,
+                   help="e.g. mtp, ngram, or dflash (27b | 35b-a3b: a random 4-bit DFlash2 "
+                        "drafter, bench_qwen35_gpu.py's): rounds that draft")
+    p.add_argument("--draft-backoff", type=int, default=0,
+                   help="the engine's draft pacing (default 0: every round drafts)")
     p.add_argument("--kernels", action="store_true",
                    help="GPU kernels by name from torch.profiler (CUPTI), no op timers")
     p.add_argument("--no-pdl", action="store_true",
@@ -279,9 +294,19 @@ def main() -> None:
 
         cuda_kernels.graphs.supported = lambda: False  # type: ignore[assignment]
     ckpt = load(args.model, args.device)
+    drafter = args.drafter
+    if drafter == "dflash":
+        import tempfile
+        from pathlib import Path
+
+        from benchmarks.bench_qwen35_gpu import write_dflash_drafter
+
+        folder = Path(tempfile.mkdtemp(prefix="dflash-")) / args.model
+        drafter = f"dflash:{write_dflash_drafter(folder, args.model)}"
     for streams in args.streams:
         lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,
-                                    args.prompt_tokens, args.ctx, args.drafter, args.kernels))
+                                    args.prompt_tokens, args.ctx, drafter, args.kernels,
+                                    args.draft_backoff))
         print(f"\n{args.model} on {args.device}")
         print("\n".join(lines), flush=True)
 

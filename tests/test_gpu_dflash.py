@@ -171,7 +171,8 @@ def test_rounds_that_capture_layers_replay_graphs_with_the_eager_bits(targets, n
 
     def drive(decoder: Any) -> list[np.ndarray]:
         cfg, hybrid = decoder.config, decoder.states is not None
-        layers = (0, cfg.num_layers - 2)
+        hybrid_of = getattr(decoder.weights, "hybrid", None)  # a hybrid's trunk: GDN layers too
+        layers = (0, (cfg.num_layers if hybrid_of is None else hybrid_of.num_trunk_layers) - 2)
         kv = decoder.ops.alloc_kv(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, "f32")
         scales = decoder.ops.asarray(np.ones((cfg.num_layers, 2), np.float32))
         if hybrid:
