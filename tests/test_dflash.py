@@ -237,3 +237,24 @@ def test_ring_rows_are_read(tmp_path: Path) -> None:
     assert not np.allclose(model.block_hidden(inside, 12, ids), base)
     with pytest.raises(ValueError, match="ring"):
         model.block_hidden(model.new_ring(4), 12, ids)
+
+
+@pytest.mark.parametrize(("generation", "overrides"), VARIANTS)
+def test_padded_ring_keys_give_the_blocks_of_unpadded_ones(tmp_path: Path, generation: int,
+                                                            overrides: dict[str, Any]) -> None:
+    """pad_keys (CUDA's layout: the ring's keys gathered up to a power of two, the padding
+    masked) gives the blocks of the exact key count, up to summation order."""
+    _, _, folder = _drafter(tmp_path, generation, **overrides)
+    embed, head = _target_head()
+    ops = CpuOps()
+    model = DFlashModel(load_dflash(folder), ops, ops.upload_linear(DenseWeight(embed)),
+                        ops.upload_linear(DenseWeight(head)))
+    features = np.random.default_rng(4).standard_normal((40, 2 * H)).astype(np.float32)
+    ring = model.new_ring(40)
+    model.write_context(ring, features[:21], np.arange(21))
+    ids = np.full(model.cfg.block_size, model.cfg.mask_token_id, np.int64)
+    ids[0] = 5
+    exact = model.block_hidden(ring, 21, ids)
+    model.pad_keys = True
+    assert model._block_inputs(ring, 21, ids)[2].shape[0] == 32 + len(ids)  # 21 -> 32 keys
+    np.testing.assert_allclose(model.block_hidden(ring, 21, ids), exact, rtol=1e-5, atol=1e-6)

@@ -61,10 +61,16 @@ class CudaDFlashOps:
     def select_greedy(self, logits: Any, projected: Any, predecessor: Any, successor: Any,
                       anchor_id: int, top_k: int) -> np.ndarray:
         """Top-k and the chain on the device: only the path [R] comes to the host."""
-        stream = self._stream()
-        ids, values = self._top_k(logits, top_k, stream)
-        path = self.xp.empty(logits.shape[0], np.int64)
+        ids, values = self.candidates(logits, top_k)
+        return self.chain(ids, values, projected, predecessor, successor, anchor_id)
+
+    def candidates(self, logits: Any, top_k: int) -> tuple[Any, Any]:
+        return self._top_k(logits, top_k, self._stream())
+
+    def chain(self, ids: Any, values: Any, projected: Any, predecessor: Any, successor: Any,
+              anchor_id: int) -> np.ndarray:
+        path = self.xp.empty(ids.shape[0], np.int64)
         self._kernels.select_chain(self._dev(ids), self._dev(values), self._dev(self._f32(projected)),
                                    self._dev(predecessor), self._dev(successor), int(anchor_id),
-                                   self._dev(path), stream)
+                                   self._dev(path), self._stream())
         return self.xp.asnumpy(path)

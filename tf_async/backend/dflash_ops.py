@@ -34,6 +34,17 @@ class DFlashOps(Protocol):
         """DFlash2's greedy chain over each row's top_k logits -> the path [R] int64 (host)."""
         ...
 
+    def candidates(self, logits: Array, top_k: int) -> tuple[Array, Array]:
+        """top_k's ids [R, k] int64 and values [R, k] f32 on the device (no host read: a
+        captured graph may hold it)."""
+        ...
+
+    def chain(self, ids: Array, values: Array, projected: Array, predecessor: Array,
+              successor: Array, anchor_id: int) -> np.ndarray:
+        """The greedy chain over candidates (ids, values) on the device -> the path [R] (host):
+        select_greedy = candidates, then chain."""
+        ...
+
 
 class CpuDFlashOps:
     def grouped_conv(self, x: np.ndarray, taps: np.ndarray, base: np.ndarray,
@@ -57,7 +68,14 @@ class CpuDFlashOps:
     def select_greedy(self, logits: np.ndarray, projected: np.ndarray, predecessor: np.ndarray,
                       successor: np.ndarray, anchor_id: int, top_k: int) -> np.ndarray:
         ids, values = self.top_k(logits, top_k)
-        path = np.empty(logits.shape[0], np.int64)
+        return self.chain(ids, values, projected, predecessor, successor, anchor_id)
+
+    def candidates(self, logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.top_k(logits, top_k)
+
+    def chain(self, ids: np.ndarray, values: np.ndarray, projected: np.ndarray,
+              predecessor: np.ndarray, successor: np.ndarray, anchor_id: int) -> np.ndarray:
+        path = np.empty(ids.shape[0], np.int64)
         cpu.select_chain(ids, values, projected, predecessor, successor, anchor_id, path)
         return path
 

@@ -20,9 +20,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..backend.base import Array, Ops
+from ..backend.base import Array, Ops, graph_ops
 from ..backend.dflash_ops import DFlashOps, make_dflash_ops
 from ..backend.weights import Linear
+from .call_graphs import CallGraphs, array_address
 from .dflash import DFlashCheckpoint, DFlashConfig, DFlashLayerWeights, DynamicConvWeights
 from .rope import rope_tables
 
@@ -30,7 +31,8 @@ from .rope import rope_tables
 class DFlashModel:
     """The drafter with the target's embedding and LM head (uploaded by the target)."""
 
-    def __init__(self, checkpoint: DFlashCheckpoint, ops: Ops, embed: Linear, lm_head: Linear):
+    def __init__(self, checkpoint: DFlashCheckpoint, ops: Ops, embed: Linear, lm_head: Linear,
+                 *, graphs: bool = False, max_graphs: int = 96):
         self.cfg: DFlashConfig = checkpoint.config
         self.ops = ops
         w = checkpoint.weights
@@ -46,6 +48,17 @@ class DFlashModel:
         inv_freq, self.mscale = rope_tables(self.cfg.rope_config())
         self.inv_freq = ops.asarray(inv_freq)
         self.embed, self.lm_head = embed, lm_head
+        # one visibility mask a distinct (window, causal) of the layers; each layer's index
+        kinds = list(dict.fromkeys(zip(self.cfg.layer_windows, self.cfg.layer_causal, strict=True)))
+        self._mask_kinds = tuple(kinds)
+        self._layer_mask = tuple(kinds.index(k) for k in zip(self.cfg.layer_windows,
+                                                              self.cfg.layer_causal, strict=True))
+        # On CUDA the ring's keys are gathered padded to a power of two (fixed shapes a graph
+        # can replay; the padding is masked); with graphs, the greedy block and the context
+        # writes replay CUDA graphs keyed by the ring's address and the shapes.
+        self.pad_keys = ops.name == "cuda"
+        capture = graph_ops(ops) if graphs else None
+        self.graphs = CallGraphs(capture, max_graphs) if capture is not None else None
 
     # ---- the context ring -----------------------------------------------------------------
     def new_ring(self, capacity: int) -> Array:
@@ -60,13 +73,21 @@ class DFlashModel:
             return start
         return min(start, max(w for w in windows if w is not None) - 1)
 
-    def write_context(self, ring: Array, features: Array, positions: Array) -> Array:
+    def write_context(self, ring: Array, features: Array, positions: np.ndarray) -> Array:
         """features [n, len(target_layer_ids) * H] float32 (the target's layer outputs side
-        by side, in target_layer_ids order) at positions [n] int64 -> K/V rows of the ring.
-        Returns the context rows [n, H] (what a prefix cache keeps beside the pages)."""
-        ctx = self.context_rows(features)
-        self.write_kv(ring, ctx, positions)
-        return ctx
+        by side, in target_layer_ids order) at positions [n] int64 (host) -> K/V rows of the
+        ring. Returns the context rows [n, H] (what a prefix cache keeps beside the pages)."""
+        positions = np.asarray(positions, np.int64)
+
+        def write(feats: Array, pos: Array) -> tuple[Array]:
+            ctx = self.context_rows(feats)
+            self.write_kv(ring, ctx, pos)
+            return (ctx,)
+
+        if self.graphs is None or not len(positions):
+            return write(features, self.ops.asarray(positions))[0]
+        key = ("context", array_address(ring), tuple(features.shape))
+        return self.graphs(key, write, (features, positions), holds=(ring,))[0]
 
     def context_rows(self, features: Array) -> Array:
         """ctx = hidden_norm(fc(features)) [n, H] float32."""
@@ -85,26 +106,41 @@ class DFlashModel:
     # ---- one block ------------------------------------------------------------------------
     def block_hidden(self, ring: Array, start: int, token_ids: np.ndarray) -> Array:
         """token_ids [B] (the anchor at `start`, then mask tokens) -> normed output [B, H]."""
-        ops, c, xp = self.ops, self.cfg, self.ops.xp
+        inputs = self._block_inputs(ring, start, token_ids)
+        return self._block_hidden_of(ring, *(self.ops.asarray(a) for a in inputs))
+
+    def _block_inputs(self, ring: Array, start: int, token_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The block's host inputs: ids [B], query positions [B], the key order [T] (ring rows
+        of the attended positions, ascending, then padding (CUDA: up to a power of two, masked),
+        then the block's own keys as rows capacity.. of [ring; block]) and one visibility mask
+        [B, T] uint8 a distinct (window, causal)."""
         capacity = int(ring.shape[2])
         if capacity < self.context_rows_needed(start):
             raise ValueError(f"DFlash ring of {capacity} rows cannot hold the "
                              f"{self.context_rows_needed(start)} positions a block at {start} attends")
-        host_qpos = np.arange(start, start + len(token_ids), dtype=np.int64)
+        rows = len(token_ids)
+        qpos = np.arange(start, start + rows, dtype=np.int64)
         kpos = np.arange(max(0, start - capacity), start, dtype=np.int64)
-        qpos, ring_rows = ops.asarray(host_qpos), ops.asarray(kpos % capacity)
-        masks: dict[tuple[int | None, bool], Array] = {}  # one upload a (window, causal)
-        for window, causal in zip(c.layer_windows, c.layer_causal, strict=True):
-            if (window, causal) not in masks:
-                masks[window, causal] = ops.asarray(
-                    _visible(host_qpos, kpos, window, causal).astype(np.uint8))
-        ids = ops.asarray(np.asarray(token_ids, np.int64))
+        width = _padded(len(kpos), capacity) if self.pad_keys else len(kpos)
+        order = np.concatenate([kpos % capacity, np.zeros(width - len(kpos), np.int64),
+                                capacity + np.arange(rows, dtype=np.int64)])
+        masks = []
+        for window, causal in self._mask_kinds:
+            seen = _visible(qpos, kpos, window, causal)
+            pad = np.zeros((rows, width - len(kpos)), bool)
+            masks.append(np.concatenate([seen[:, :len(kpos)], pad, seen[:, len(kpos):]], axis=1)
+                         .astype(np.uint8))
+        return (np.asarray(token_ids, np.int64), qpos, order, *masks)
+
+    def _block_hidden_of(self, ring: Array, ids: Array, qpos: Array, order: Array,
+                         *masks: Array) -> Array:
+        """block_hidden on the device inputs of _block_inputs (no host work: graph-safe)."""
+        ops, c, xp = self.ops, self.cfg, self.ops.xp
         x = ops.embed(self.embed, ids) * np.float32(c.input_embedding_scale)
         for i, layer in enumerate(self.layers):
             a = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             a, after = self._conv_in(a, layer.attention_conv)
-            visible = masks[c.layer_windows[i], c.layer_causal[i]]
-            attn = self._attention(i, layer, a, ring, ring_rows, qpos, visible)
+            attn = self._attention(i, layer, a, ring, order, qpos, masks[self._layer_mask[i]])
             x = x + self._conv_out(attn, after, layer.attention_conv)
             m = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             m, after = self._conv_in(m, layer.mlp_conv)
@@ -136,12 +172,34 @@ class DFlashModel:
 
     def propose(self, ring: Array, start: int, anchor_id: int) -> np.ndarray:
         """The block_size - 1 greedy draft tokens after `anchor_id` at `start` [B-1] int64."""
-        logits, projected = self.block_logits(ring, start, anchor_id)
-        if projected is None:
-            return np.argmax(self.ops.to_host(logits), axis=-1).astype(np.int64)
+        if self.graphs is None:
+            logits, projected = self.block_logits(ring, start, anchor_id)
+            if projected is None:
+                return np.argmax(self.ops.to_host(logits), axis=-1).astype(np.int64)
+            assert self.codebooks is not None
+            return self.kernels.select_greedy(logits, projected, *self.codebooks, anchor_id,
+                                              self.cfg.selector_top_k)
+        ids = np.full(self.cfg.block_size, self.cfg.mask_token_id, np.int64)
+        ids[0] = anchor_id
+        inputs = self._block_inputs(ring, start, ids)
+        key = ("block", array_address(ring), inputs[2].shape[0])
+        parts = self.graphs(key, lambda *a: self._greedy_parts(ring, *a), inputs, holds=(ring,))
+        if self.hidden_projection is None:
+            return self.ops.to_host(parts[0]).astype(np.int64)
         assert self.codebooks is not None
-        return self.kernels.select_greedy(logits, projected, *self.codebooks, anchor_id,
-                                          self.cfg.selector_top_k)
+        return self.kernels.chain(parts[0], parts[1], parts[2], *self.codebooks, anchor_id)
+
+    def _greedy_parts(self, ring: Array, *inputs: Array) -> tuple[Array, ...]:
+        """The block's greedy choice up to the anchor-dependent part, on the device: DFlash,
+        each row's argmax (ties: lowest id); DFlash2, each row's top-k candidates (ids,
+        values) and the projected hidden, for the selector's chain."""
+        hidden = self._block_hidden_of(ring, *inputs)[1:]
+        logits = self.logits(hidden)
+        if self.hidden_projection is None:
+            assert self.graphs is not None  # graph ops: a device argmax
+            return (self.graphs.ops.argmax(logits),)
+        ids, values = self.kernels.candidates(logits, self.cfg.selector_top_k)
+        return ids, values, self.ops.linear(hidden, self.hidden_projection)
 
     def top_candidates(self, logits: Array) -> tuple[np.ndarray, np.ndarray]:
         """DFlash2's candidates of each row: (ids [R, k], logits [R, k]) on the host, larger
@@ -167,17 +225,17 @@ class DFlashModel:
         return k, ops.linear(x, layer.v).reshape(shape)
 
     def _attention(self, index: int, layer: DFlashLayerWeights, a: Array, ring: Array,
-                   ring_rows: Array, qpos: Array, visible: Array) -> Array:
-        """The block's queries over the ring's rows ring_rows (the positions the block attends,
-        ascending) and the block; visible [B, T] uint8 (_visible)."""
+                   order: Array, qpos: Array, visible: Array) -> Array:
+        """The block's queries over the keys `order` picks from [ring rows; the block's]
+        (_block_inputs); visible [B, T] uint8."""
         ops, c, xp = self.ops, self.cfg, self.ops.xp
         rows = a.shape[0]
         q = ops.rms_norm(ops.linear(a, layer.q).reshape(rows, c.num_heads, c.head_dim),
                          layer.q_norm, c.rms_norm_eps)
         ops.rope(q, qpos, self.inv_freq, self.mscale)
         k, v = self._kv(layer, a, qpos)
-        keys = xp.concatenate([ring[index, 0, ring_rows], k])  # [T, nkv, hd]
-        values = xp.concatenate([ring[index, 1, ring_rows], v])
+        keys = xp.concatenate([ring[index, 0], k])[order]  # [T, nkv, hd]
+        values = xp.concatenate([ring[index, 1], v])[order]
         out = self.kernels.block_attention(q, keys, values, visible, c.head_dim ** -0.5)
         return ops.linear(xp.ascontiguousarray(out.reshape(rows, c.num_heads * c.head_dim)), layer.o)
 
@@ -199,6 +257,12 @@ class DFlashModel:
         """Grouped dynamic causal convolution over the block: x [B, H], taps [B, K, G]
         (one tap a group), base [K, H]; out[t] = sum_o (base[o] + taps[t, o]) * x[t - o]."""
         return self.kernels.grouped_conv(x, taps, base, self.cfg.conv_group_size)
+
+def _padded(count: int, capacity: int) -> int:
+    """Ring keys a block gathers on CUDA: `count` rounded up to a power of two (at least 16),
+    at most the capacity: a few shapes, each replayed from its graph."""
+    return min(capacity, max(16, 1 << max(count - 1, 0).bit_length()))
+
 
 def _visible(qpos: np.ndarray, kpos_ring: np.ndarray, window: int | None, causal: bool) -> np.ndarray:
     """[B, T] bool: which keys (ring positions, then the block's) each block query sees."""

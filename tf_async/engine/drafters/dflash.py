@@ -23,6 +23,7 @@ import numpy as np
 from ...backend.base import Array
 from ...models.dflash import DFlashCheckpoint, check_against_target, load_dflash
 from ...models.dflash_model import DFlashModel
+from ...models.graph_decoder import GraphDecoder
 from ...models.qwen35 import HybridWeights
 from ..area import AreaLayout
 from ..drafting import count_accepted
@@ -114,7 +115,7 @@ class DFlashDrafter(ContextDrafter):
             ctx.num_valid = -1  # a gap no kept rows fill: this stream decodes without drafts
             return
         if valid_end > lo:
-            positions = self.ops.asarray(np.arange(lo, valid_end, dtype=np.int64))
+            positions = np.arange(lo, valid_end, dtype=np.int64)
             features = self.ops.xp.ascontiguousarray(hidden[lo - start_pos: valid_end - start_pos])
             rows = self.model.write_context(ctx.views.ring, features, positions)
             if self.pages is not None:
@@ -169,7 +170,11 @@ def make_dflash_drafter(spec: DrafterSpec, options: EngineOptions, ckpt: Checkpo
     trunk = ckpt.weights.hybrid.num_trunk_layers if isinstance(ckpt.weights, HybridWeights) else None
     check_against_target(drafter_ckpt.config, ckpt.config, trunk, where=f"drafter {spec.path}")
     weights = runner.decoder.weights
-    model = DFlashModel(drafter_ckpt, runner.ops, weights.embed, weights.lm_head)
+    # The target's rounds replay graphs: so do the drafter's greedy blocks and context writes
+    # (a few shapes a lane: keys padded to powers of two, 1..block_size context rows).
+    graphs = isinstance(runner.decoder, GraphDecoder)
+    model = DFlashModel(drafter_ckpt, runner.ops, weights.embed, weights.lm_head, graphs=graphs,
+                        max_graphs=32 * max(1, scheduler.lanes.num_lanes))
     layout = dflash_layout(drafter_ckpt, ring_capacity(drafter_ckpt, options))
     contexts = make_contexts(runner, layout, options.num_draft_areas(scheduler.lanes.num_lanes))
     runner.all_hidden = True
