@@ -415,7 +415,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="decode steps a round of the plain runs (the engine's --decode-steps)")
     parser.add_argument("--draft-tokens", type=int, default=3)
-    parser.add_argument("--draft-backoff", type=int, default=16,
+    parser.add_argument("--draft-backoff", type=int, default=32,
                         help="the engine's draft pacing (0: every round drafts, as before)")
     parser.add_argument("--ctx", type=int, default=4096, help="context of the decode runs")
     parser.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])

@@ -280,10 +280,10 @@ class _Scripted:
         return tuple((t + 1) % self.vocab if self.wrong(done) else t for t in right)
 
 
-@pytest.mark.parametrize("backoff", [0, 4, 16])
+@pytest.mark.parametrize("backoff", [0, 4, 32])
 async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tiny_llama, backoff):
     """draft_backoff: after n drafted rounds in a row with every draft rejected a stream skips
-    drafting for min(2**n - 1, backoff) rounds; an accepted draft resets n (drafting every
+    drafting for min(2**(n-1) - 1, backoff) rounds; an accepted draft resets n (drafting every
     round again). 0: every round drafts. Outputs equal plain decode whatever the pacing."""
     prompt, max_tokens = PROMPTS[1], 60
     async with Engine(tiny_llama, device="cpu", parallel=1, ctx=128) as eng:
@@ -292,15 +292,15 @@ async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tin
                       draft_backoff=backoff) as eng:
         sched = eng.parts.scheduler
         sched.drafter = scripted = _Scripted(sched.drafter, truth, tiny_llama.config.vocab_size,
-                                             lambda done: done < 40)
+                                             lambda done: done < 20)
         out = await eng.complete(prompt, max_tokens=max_tokens, ignore_eos=True)
         stats = eng.stats()
     assert out.token_ids == truth
     expected, done, misses = [], 1, 0  # the first decode round has one output token
-    while done < 40:  # every proposal rejected: one token a round
+    while done < 20:  # every proposal rejected: one token a round
         expected.append(done)
         misses += 1
-        done += 1 + (min((1 << misses) - 1, backoff) if backoff else 0)
+        done += 1 + (min((1 << (misses - 1)) - 1, backoff) if backoff else 0)
     assert scripted.at[:len(expected)] == expected
     tail = scripted.at[len(expected):]  # the first accepted probe resets: every round drafts
     assert tail and all(b - a in (2, 3) for a, b in zip(tail, tail[1:], strict=False))

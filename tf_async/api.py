@@ -162,7 +162,7 @@ class Engine:
                  draft_tokens: int = 4, page_size: int = 16, max_queue: int = 256,
                  cuda_graphs: bool = True, decode_steps: int = 1, prefix_cache: bool = True,
                  draft_ring: int | None = None, draft_areas: int | None = None,
-                 ngram_min: int = 2, draft_backoff: int = 16, prefix_state_pages: int = 16,
+                 ngram_min: int = 2, draft_backoff: int = 32, prefix_state_pages: int = 16,
                  prefix_state_slots: int | None = None, tensor_parallel: int = 1):
         """The keyword arguments are EngineOptions' (engine/options.py), checked here: a bad
         one raises BadInputError naming it. kv_pages and draft_areas default to the

@@ -34,9 +34,10 @@ class EngineOptions:
     draft_ring: int | None = None  # ring rows of a drafter context (default: ctx)
     draft_areas: int | None = None  # drafter areas in the arena (default: one a lane)
     ngram_min: int = 2  # shortest suffix the ngram drafter matches
-    # After n rounds in a row whose drafts were all rejected, a stream decodes 2**n - 1 rounds
-    # without drafting, at most this many (0: it drafts every round); an accepted draft resets n.
-    draft_backoff: int = 16
+    # After n rounds in a row whose drafts were all rejected, a stream decodes 2**(n-1) - 1
+    # rounds without drafting, at most this many (0: it drafts every round); an accepted draft
+    # resets n.
+    draft_backoff: int = 32
     prefix_cache: bool = True  # share cached prefix pages between streams (needs paging)
     prefix_state_pages: int = 16  # hybrids: keep a recurrent state every N pages (and more)
     prefix_state_slots: int | None = None  # hybrids: kept recurrent states (default: one a lane)

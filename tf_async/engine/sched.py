@@ -156,7 +156,8 @@ class Scheduler:
 
     def _pace_drafts(self, seq: Sequence, drafts: tuple[int, ...], num_new_tokens: int) -> None:
         """After a drafted round: every draft rejected -> draft_misses += 1 and a pause of
-        2**misses - 1 rounds (at most draft_backoff); one accepted -> misses back to 0. Drafts
+        2**(misses - 1) - 1 rounds (none after one miss, at most draft_backoff); one accepted
+        -> misses back to 0. Drafts
         only change speed, so this changes no output: a drafter that keeps failing costs
         little more than plain decode, one that comes right again is probed soon."""
         if not drafts or not self.draft_backoff:
@@ -165,7 +166,7 @@ class Scheduler:
             seq.draft_misses = 0
             return
         seq.draft_misses += 1
-        seq.draft_pause = min(self.draft_backoff, (1 << min(seq.draft_misses, 30)) - 1)
+        seq.draft_pause = min(self.draft_backoff, (1 << min(seq.draft_misses - 1, 30)) - 1)
 
     def _steps_for(self, rows: list[SeqRows], pages_to_zero: list[int]) -> int:
         """Decode steps of this round (RoundPlan.steps): up to `decode_steps` when every row is

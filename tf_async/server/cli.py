@@ -92,9 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="drafter areas in the arena (default: one a lane; env TF_DRAFT_AREAS)")
     parser.add_argument("--ngram-min", type=int, default=2,
                         help="shortest suffix the ngram drafter matches (1 to 3)")
-    parser.add_argument("--draft-backoff", type=int, default=16,
+    parser.add_argument("--draft-backoff", type=int, default=32,
                         help="after n rounds in a row with every draft rejected, a stream skips "
-                        "drafting for 2^n - 1 rounds, at most this many (0: draft every round)")
+                        "drafting for 2^(n-1) - 1 rounds, at most this many (0: draft every round)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
