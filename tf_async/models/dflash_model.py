@@ -179,15 +179,35 @@ class DFlashModel:
             assert self.codebooks is not None
             return self.kernels.select_greedy(logits, projected, *self.codebooks, anchor_id,
                                               self.cfg.selector_top_k)
-        ids = np.full(self.cfg.block_size, self.cfg.mask_token_id, np.int64)
-        ids[0] = anchor_id
-        inputs = self._block_inputs(ring, start, ids)
-        key = ("block", array_address(ring), inputs[2].shape[0])
-        parts = self.graphs(key, lambda *a: self._greedy_parts(ring, *a), inputs, holds=(ring,))
+        parts = self._replayed_parts(ring, start, anchor_id)
         if self.hidden_projection is None:
             return self.ops.to_host(parts[0]).astype(np.int64)
         assert self.codebooks is not None
         return self.kernels.chain(parts[0], parts[1], parts[2], *self.codebooks, anchor_id)
+
+    def block_candidates(self, ring: Array, start: int, anchor_id: int
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """DFlash2's draft rows after `anchor_id` at `start` as its selector sees them, on the
+        host: each row's top-k candidates (ids [B-1, k], logits [B-1, k], larger first) and
+        the projected hidden [B-1, r] (from the graph of the greedy block where there is one)."""
+        if self.hidden_projection is None:
+            raise ValueError("block_candidates: a DFlash2 drafter's (it has no selector)")
+        if self.graphs is None:
+            logits, projected = self.block_logits(ring, start, anchor_id)
+            assert projected is not None
+            ids, values = self.top_candidates(logits)
+            return ids, values, self.ops.to_host(projected)
+        ids_d, values_d, projected_d = self._replayed_parts(ring, start, anchor_id)
+        return self.ops.to_host(ids_d), self.ops.to_host(values_d), self.ops.to_host(projected_d)
+
+    def _replayed_parts(self, ring: Array, start: int, anchor_id: int) -> tuple[Array, ...]:
+        """_greedy_parts of the block after `anchor_id` at `start`, from its graph."""
+        assert self.graphs is not None
+        ids = np.full(self.cfg.block_size, self.cfg.mask_token_id, np.int64)
+        ids[0] = anchor_id
+        inputs = self._block_inputs(ring, start, ids)
+        key = ("block", array_address(ring), inputs[2].shape[0])
+        return self.graphs(key, lambda *a: self._greedy_parts(ring, *a), inputs, holds=(ring,))
 
     def _greedy_parts(self, ring: Array, *inputs: Array) -> tuple[Array, ...]:
         """The block's greedy choice up to the anchor-dependent part, on the device: DFlash,

@@ -73,13 +73,18 @@ class DFlashDrafter(ContextDrafter):
         or from softmax(score / T) over the selector's candidates (DFlash2), so a draft that
         matches the target's distribution is the token the target samples."""
         assert ctx.views is not None
-        logits, projected = self.model.block_logits(ctx.views.ring, ctx.num_valid, seq.last_token())
-        vocab = int(logits.shape[1])
-        top = None if projected is None else self.model.top_candidates(logits)
-        host_projected = None if projected is None else self.ops.to_host(projected)
+        ring, start, anchor = ctx.views.ring, ctx.num_valid, seq.last_token()
+        vocab = int(self.model.lm_head.out_features)
+        logits, top, host_projected = None, None, None
+        if self.model.hidden_projection is None:  # DFlash: draw from each row's logits
+            logits, _ = self.model.block_logits(ring, start, anchor)
+        else:  # DFlash2: the selector's candidates (from the greedy block's graph on CUDA)
+            ids, values, host_projected = self.model.block_candidates(ring, start, anchor)
+            top = (ids, values)
         outputs, drafts, previous = list(seq.output_ids), [], seq.last_token()
         for t in range(limit):
             if top is None or host_projected is None:
+                assert logits is not None
                 row = logits[t:t + 1]
             else:
                 scores = self.model.candidate_scores(top[0][t], top[1][t], host_projected[t], previous)
