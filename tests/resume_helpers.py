@@ -27,7 +27,7 @@ def sampling(mode: str, index: int) -> dict[str, Any]:
 
 
 def record_proposals(eng: Engine) -> Proposals:
-    """Every proposal of the engine's drafter, by the stream's tokens."""
+    """Every proposal of the engine's drafter, by the stream's tokens and the limit."""
     drafter = eng.parts.scheduler.drafter
     assert drafter is not None
     inner = drafter.propose
@@ -35,7 +35,7 @@ def record_proposals(eng: Engine) -> Proposals:
 
     def propose(seq: Any, limit: int) -> tuple[int, ...]:
         drafts = inner(seq, limit)
-        seen[(*seq.prompt_ids, -1, *seq.output_ids)] = drafts
+        seen[(*seq.prompt_ids, -1, *seq.output_ids, -2, limit)] = drafts
         return drafts
 
     drafter.propose = propose  # type: ignore[method-assign]
@@ -83,8 +83,9 @@ async def resumed_and_fresh(ckpt: Any, options: dict[str, Any], run: Any
 
 
 def differing(seen: Proposals, fresh_seen: Proposals) -> tuple[int, int]:
-    """(proposals made on the same tokens in both runs, how many of them differ). A stream's
-    prompt may be cut differently with the cache (its last token then decodes with drafts), so
-    only proposals on the same tokens (hence the same limit) compare."""
+    """(proposals made on the same tokens with the same limit in both runs, how many of them
+    differ). A stream's prompt may be cut differently with the cache (its last token then
+    decodes with drafts), and the draft pacing's probes (one draft) follow a stream's own
+    history of rejected rounds, so only proposals on the same tokens and limit compare."""
     common = set(seen) & set(fresh_seen)
     return len(common), sum(seen[key] != fresh_seen[key] for key in common)

@@ -30,8 +30,10 @@ from tf_async.models.loader import load_checkpoint
 pytestmark = pytest.mark.asyncio
 
 PAGE = 4
+# draft_backoff=0: every round drafts in full, so proposals on the same tokens compare (the
+# pacing follows each stream's own history of rejected rounds)
 OPTIONS: dict[str, Any] = dict(device="cpu", parallel=4, ctx=128, page_size=PAGE, step_tokens=16,
-                               draft_tokens=3)
+                               draft_tokens=3, draft_backoff=0)
 
 
 @pytest.fixture(scope="module")

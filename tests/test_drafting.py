@@ -267,6 +267,7 @@ class _Scripted:
     def __init__(self, inner, truth: list[int], vocab: int, wrong):
         self.inner, self.truth, self.vocab, self.wrong = inner, truth, vocab, wrong
         self.at: list[int] = []
+        self.limits: list[int] = []
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -277,14 +278,16 @@ class _Scripted:
         if not right:
             return ()
         self.at.append(done)
+        self.limits.append(limit)
         return tuple((t + 1) % self.vocab if self.wrong(done) else t for t in right)
 
 
 @pytest.mark.parametrize("backoff", [0, 4, 32])
 async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tiny_llama, backoff):
     """draft_backoff: after n drafted rounds in a row with every draft rejected a stream skips
-    drafting for min(2**(n-1) - 1, backoff) rounds; an accepted draft resets n (drafting every
-    round again). 0: every round drafts. Outputs equal plain decode whatever the pacing."""
+    drafting for min(2**(n-1) - 1, backoff) rounds and then probes with one draft (n >= 2);
+    an accepted draft resets n (drafting every round, all drafts, again). 0: every round
+    drafts in full. Outputs equal plain decode whatever the pacing."""
     prompt, max_tokens = PROMPTS[1], 60
     async with Engine(tiny_llama, device="cpu", parallel=1, ctx=128) as eng:
         truth = (await eng.complete(prompt, max_tokens=max_tokens, ignore_eos=True)).token_ids
@@ -302,7 +305,11 @@ async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tin
         misses += 1
         done += 1 + (min((1 << (misses - 1)) - 1, backoff) if backoff else 0)
     assert scripted.at[:len(expected)] == expected
-    tail = scripted.at[len(expected):]  # the first accepted probe resets: every round drafts
+    probes = [1 if backoff and i >= 2 else None for i in range(len(expected))]
+    assert [lim if p is None else 1 for lim, p in zip(scripted.limits, probes, strict=False)] \
+        == scripted.limits[:len(expected)]
+    assert all(lim > 1 for lim, p in zip(scripted.limits, probes, strict=False) if p is None)
+    tail = scripted.at[len(expected) + 1:]  # after the accepted probe (one draft): all drafts
     assert tail and all(b - a in (2, 3) for a, b in zip(tail, tail[1:], strict=False))
     assert stats["drafted_tokens"] > 0
 

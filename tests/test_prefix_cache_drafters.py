@@ -29,8 +29,10 @@ from tests.resume_helpers import (
 from tf_async import Engine
 
 PAGE = 4
+# draft_backoff=0: every round drafts in full, so proposals on the same tokens compare (the
+# pacing follows each stream's own history of rejected rounds)
 OPTIONS: dict[str, Any] = dict(device="cpu", parallel=4, ctx=256, page_size=PAGE, step_tokens=16,
-                               draft_tokens=3)
+                               draft_tokens=3, draft_backoff=0)
 
 
 def _assert_same_drafting(resumed: list[Turn], fresh: list[Turn], seen: Proposals,

@@ -146,12 +146,15 @@ class Scheduler:
                        tuple(drafts), token_choices(seq, 1 + len(drafts)))
 
     def _propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """The drafter's proposal, or none while the stream's draft pause lasts."""
+        """The drafter's proposal, or none while the stream's draft pause lasts; after two
+        or more rejected rounds in a row a probe of one draft (a cheaper verify round)."""
         if self.drafter is None:
             return ()
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
             return ()
+        if self.draft_backoff and seq.draft_misses >= 2:
+            room = min(room, 1)
         return self.drafter.propose(seq, room)
 
     def _pace_drafts(self, seq: Sequence, drafts: tuple[int, ...], num_new_tokens: int) -> None:
