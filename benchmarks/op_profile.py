@@ -11,6 +11,9 @@ are timed as they run. The "other" line of execute is what the runner does aroun
     python benchmarks/op_profile.py --model default --device cuda --streams 1 8 32
     python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 8
         (27b | 35b-a3b: random MLX 4-bit weights at the real shapes, bench_qwen35_gpu.py's)
+    python benchmarks/op_profile.py --model 27b --device cuda --streams 1 --drafter dflash
+        (a random 4-bit DFlash2 drafter of the model's shapes; its block forward, LM head,
+        context writes and kernels timed as phases; --draft-backoff 0: every round drafts)
     python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 --kernels
         (--kernels: no op timers; the window's GPU kernels (graph replays included) from
         torch.profiler's CUPTI trace, summed by kernel name, per round; add --no-pdl for each

@@ -94,7 +94,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="shortest suffix the ngram drafter matches (1 to 3)")
     parser.add_argument("--draft-backoff", type=int, default=32,
                         help="after n rounds in a row with every draft rejected, a stream skips "
-                        "drafting for 2^(n-1) - 1 rounds, at most this many (0: draft every round)")
+                        "drafting for 2^(n-1) - 1 rounds, at most this many, then probes with one "
+                        "draft (0: draft every round)")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
