@@ -6,7 +6,7 @@ the drafter's proposals are also replaced after its real block forward has run b
 target will emit (forced-full: every draft accepted) and by wrong tokens (forced-zero): a real
 checkpoint's speed lies between the two.
 
-    python benchmarks/dflash_cpu.py [--repeats 3] [--max-tokens 96] [--hidden 256]
+    python benchmarks/dflash_cpu.py [--repeats 3] [--max-tokens 96] [--hidden 256] [--draft-backoff 32]
 
 One stream, greedy, token-id prompts (64 tokens), ignore_eos. Each cell: the median over
 repeats; ms/round = decode seconds / rounds after the first token; tok/round = tokens / rounds.
@@ -75,10 +75,11 @@ def write_models(root: Path, hidden: int) -> tuple[Any, dict[int, Path]]:
 
 
 async def one_run(target: Any, drafter: str | None, mode: str, prompt: list[int],
-                  max_tokens: int, truth: list[int] | None) -> tuple[float, float, list[int]]:
+                  max_tokens: int, truth: list[int] | None, backoff: int
+                  ) -> tuple[float, float, list[int]]:
     """(ms a round, tokens a round, output) of one stream after its first token."""
     async with Engine(target, device="cpu", parallel=1, ctx=512, step_tokens=256,
-                      drafter=drafter, draft_tokens=15) as eng:
+                      drafter=drafter, draft_tokens=15, draft_backoff=backoff) as eng:
         await eng.complete(prompt[:8], max_tokens=4, ignore_eos=True)  # JIT warm-up
         if mode.startswith("forced"):
             assert truth is not None
@@ -108,15 +109,15 @@ async def main(args: argparse.Namespace) -> None:
         truth: list[int] | None = None
         rows = []
         for label, drafter, mode in cases:
-            runs = [await one_run(target, drafter, mode, prompt, args.max_tokens, truth)
-                    for _ in range(args.repeats)]
+            runs = [await one_run(target, drafter, mode, prompt, args.max_tokens, truth,
+                                  args.draft_backoff) for _ in range(args.repeats)]
             truth = runs[0][2] if mode == "plain" else truth
             same = all(r[2] == truth for r in runs)
             rows.append((label, statistics.median(r[0] for r in runs),
                          statistics.median(r[1] for r in runs), same))
     base = rows[0][1] / rows[0][2]
     print(f"\nhidden {args.hidden}, 4 target layers, 2 drafter layers, block 16, "
-          f"{args.max_tokens} tokens, median of {args.repeats}")
+          f"{args.max_tokens} tokens, median of {args.repeats}, --draft-backoff {args.draft_backoff}")
     print("| case | ms/round | tok/round | ms/token | vs plain tok/s | output == plain |")
     print("|---|---|---|---|---|---|")
     for label, ms, per_round, same in rows:
@@ -130,4 +131,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--draft-backoff", type=int, default=32,
+                        help="the engine's draft pacing (0: every round drafts)")
     asyncio.run(main(parser.parse_args()))
