@@ -160,9 +160,9 @@ class Scheduler:
     def _pace_drafts(self, seq: Sequence, drafts: tuple[int, ...], num_new_tokens: int) -> None:
         """After a drafted round: every draft rejected -> draft_misses += 1 and a pause of
         2**(misses - 1) - 1 rounds (none after one miss, at most draft_backoff); one accepted
-        -> misses back to 0. Drafts
-        only change speed, so this changes no output: a drafter that keeps failing costs
-        little more than plain decode, one that comes right again is probed soon."""
+        -> misses back to 0. Drafts only change speed, so this changes no output: a drafter
+        that keeps failing costs little more than plain decode, one that comes right again
+        is probed soon."""
         if not drafts or not self.draft_backoff:
             return
         if num_new_tokens > 1:
