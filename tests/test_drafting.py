@@ -299,11 +299,13 @@ async def test_rejected_drafts_pause_drafting_and_an_accepted_one_resumes_it(tin
         out = await eng.complete(prompt, max_tokens=max_tokens, ignore_eos=True)
         stats = eng.stats()
     assert out.token_ids == truth
-    expected, done, misses = [], 1, 0  # the first decode round has one output token
+    expected, done, misses, paused = [], 1, 0, 0  # the first decode round has one output token
     while done < 20:  # every proposal rejected: one token a round
         expected.append(done)
         misses += 1
-        done += 1 + (min((1 << (misses - 1)) - 1, backoff) if backoff else 0)
+        pause = min((1 << (misses - 1)) - 1, backoff) if backoff else 0
+        done, paused = done + 1 + pause, paused + pause
+    assert stats["draft_paused_rounds"] == paused
     assert scripted.at[:len(expected)] == expected
     probes = [1 if backoff and i >= 2 else None for i in range(len(expected))]
     assert [lim if p is None else 1 for lim, p in zip(scripted.limits, probes, strict=False)] \

@@ -84,9 +84,11 @@ async def test_out_of_pages_preempts_and_recomputes_without_changing_tokens(tiny
 async def test_preemptions_are_a_counter_in_metrics():
     from tf_async.server.metrics import ServerMetrics
 
-    text = ServerMetrics(lambda: {"preemptions": 3, "lanes_in_use": 0}).render().decode()
+    text = ServerMetrics(lambda: {"preemptions": 3, "lanes_in_use": 0,
+                                  "draft_paused_rounds": 5}).render().decode()
     assert "# TYPE tf_preemptions_total counter" in text
     assert "tf_preemptions_total 3.0" in text
+    assert "tf_draft_paused_rounds_total 5.0" in text
 
 
 async def test_queue_is_fcfs_bounded_and_refuses_what_never_fits(tiny_llama):

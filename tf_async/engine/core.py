@@ -121,6 +121,7 @@ class EngineCore:
             "running": len(sched.running),
             "rounds": self.num_rounds,
             "preemptions": sched.num_preemptions,  # streams that gave their lane back (recompute)
+            "draft_paused_rounds": sched.num_draft_pauses,  # decode rows that skipped drafting
             **self.runner.memory_stats(),
             **sched.drafter_stats(),
             **sched.prefix_cache_stats(),

@@ -40,6 +40,7 @@ class Scheduler:
         self.round_index = 0
         self._num_admissions = 0
         self.num_preemptions = 0
+        self.num_draft_pauses = 0  # decode rows that skipped drafting (draft pacing)
         self.drafter: Drafter | None = None  # set by attach_drafter (engine/drafters/registry.py)
         self._lanes_to_zero: list[int] = []  # opened since the last plan
         self._state_commits: list[tuple[int, int]] = []  # (lane, accepted rows) since the last plan
@@ -152,6 +153,7 @@ class Scheduler:
             return ()
         if seq.draft_pause > 0:
             seq.draft_pause -= 1
+            self.num_draft_pauses += 1
             return ()
         if self.draft_backoff and seq.draft_misses >= 2:
             room = min(room, 1)

@@ -42,6 +42,8 @@ _ENGINE_GAUGES = (
 _ENGINE_COUNTERS = (
     ("tf_preemptions", "preemptions",
      "Streams preempted out of KV pages (lane given back, KV recomputed on re-admission)."),
+    ("tf_draft_paused_rounds", "draft_paused_rounds",
+     "Decode rows of a stream that skipped drafting after rejected drafts (--draft-backoff)."),
     ("tf_prefix_cache_hit_pages", "prefix_cache_hit_pages",
      "Prompt pages taken from the prefix cache instead of computed."),
     ("tf_prefix_cache_missed_pages", "prefix_cache_missed_pages",
