@@ -110,10 +110,10 @@ class DFlashModel:
         return self._block_hidden_of(ring, *(self.ops.asarray(a) for a in inputs))
 
     def _block_inputs(self, ring: Array, start: int, token_ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The block's host inputs: ids [B], query positions [B], the key order [T] (ring rows
-        of the attended positions, ascending, then padding (CUDA: up to a power of two, masked),
-        then the block's own keys as rows capacity.. of [ring; block]) and one visibility mask
-        [B, T] uint8 a distinct (window, causal)."""
+        """The block's host inputs: ids [B], query positions [B], the ring rows it gathers
+        [W] (those of the attended positions, ascending, then padding: on CUDA up to a power
+        of two, masked) and one visibility mask [B, W + B] uint8 a distinct (window, causal):
+        the keys are the gathered ring rows, then the block's own."""
         capacity = int(ring.shape[2])
         if capacity < self.context_rows_needed(start):
             raise ValueError(f"DFlash ring of {capacity} rows cannot hold the "
@@ -122,17 +122,16 @@ class DFlashModel:
         qpos = np.arange(start, start + rows, dtype=np.int64)
         kpos = np.arange(max(0, start - capacity), start, dtype=np.int64)
         width = _padded(len(kpos), capacity) if self.pad_keys else len(kpos)
-        order = np.concatenate([kpos % capacity, np.zeros(width - len(kpos), np.int64),
-                                capacity + np.arange(rows, dtype=np.int64)])
+        ring_rows = np.concatenate([kpos % capacity, np.zeros(width - len(kpos), np.int64)])
         masks = []
         for window, causal in self._mask_kinds:
             seen = _visible(qpos, kpos, window, causal)
             pad = np.zeros((rows, width - len(kpos)), bool)
             masks.append(np.concatenate([seen[:, :len(kpos)], pad, seen[:, len(kpos):]], axis=1)
                          .astype(np.uint8))
-        return (np.asarray(token_ids, np.int64), qpos, order, *masks)
+        return (np.asarray(token_ids, np.int64), qpos, ring_rows, *masks)
 
-    def _block_hidden_of(self, ring: Array, ids: Array, qpos: Array, order: Array,
+    def _block_hidden_of(self, ring: Array, ids: Array, qpos: Array, ring_rows: Array,
                          *masks: Array) -> Array:
         """block_hidden on the device inputs of _block_inputs (no host work: graph-safe)."""
         ops, c, xp = self.ops, self.cfg, self.ops.xp
@@ -140,7 +139,7 @@ class DFlashModel:
         for i, layer in enumerate(self.layers):
             a = ops.rms_norm(x, layer.input_norm, c.rms_norm_eps)
             a, after = self._conv_in(a, layer.attention_conv)
-            attn = self._attention(i, layer, a, ring, order, qpos, masks[self._layer_mask[i]])
+            attn = self._attention(i, layer, a, ring, ring_rows, qpos, masks[self._layer_mask[i]])
             x = x + self._conv_out(attn, after, layer.attention_conv)
             m = ops.rms_norm(x, layer.post_norm, c.rms_norm_eps)
             m, after = self._conv_in(m, layer.mlp_conv)
@@ -206,7 +205,7 @@ class DFlashModel:
         ids = np.full(self.cfg.block_size, self.cfg.mask_token_id, np.int64)
         ids[0] = anchor_id
         inputs = self._block_inputs(ring, start, ids)
-        key = ("block", array_address(ring), inputs[2].shape[0])
+        key = ("block", array_address(ring), inputs[2].shape[0])  # the gathered ring rows
         return self.graphs(key, lambda *a: self._greedy_parts(ring, *a), inputs, holds=(ring,))
 
     def _greedy_parts(self, ring: Array, *inputs: Array) -> tuple[Array, ...]:
@@ -245,8 +244,8 @@ class DFlashModel:
         return k, ops.linear(x, layer.v).reshape(shape)
 
     def _attention(self, index: int, layer: DFlashLayerWeights, a: Array, ring: Array,
-                   order: Array, qpos: Array, visible: Array) -> Array:
-        """The block's queries over the keys `order` picks from [ring rows; the block's]
+                   ring_rows: Array, qpos: Array, visible: Array) -> Array:
+        """The block's queries over the ring's rows `ring_rows`, then the block's own keys
         (_block_inputs); visible [B, T] uint8."""
         ops, c, xp = self.ops, self.cfg, self.ops.xp
         rows = a.shape[0]
@@ -254,8 +253,8 @@ class DFlashModel:
                          layer.q_norm, c.rms_norm_eps)
         ops.rope(q, qpos, self.inv_freq, self.mscale)
         k, v = self._kv(layer, a, qpos)
-        keys = xp.concatenate([ring[index, 0], k])[order]  # [T, nkv, hd]
-        values = xp.concatenate([ring[index, 1], v])[order]
+        keys = xp.concatenate([ring[index, 0, ring_rows], k])  # [T, nkv, hd]
+        values = xp.concatenate([ring[index, 1, ring_rows], v])
         out = self.kernels.block_attention(q, keys, values, visible, c.head_dim ** -0.5)
         return ops.linear(xp.ascontiguousarray(out.reshape(rows, c.num_heads * c.head_dim)), layer.o)
 
