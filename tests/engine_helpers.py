@@ -26,6 +26,22 @@ def engines_on_ops(monkeypatch: Any, make: Callable[[], T]) -> list[T]:
     return made
 
 
+def graph_decoders_built(monkeypatch: Any) -> list[Any]:
+    """The decoders engines built from now on run (GraphDecoders where graphs are on), in
+    order of building; the list returned fills as they are built."""
+    from tf_async.engine import build
+
+    made: list[Any] = []
+    maybe_graphs = build._maybe_graphs
+
+    def recorded(decoder: Any, graphs: bool) -> Any:
+        made.append(maybe_graphs(decoder, graphs))
+        return made[-1]
+
+    monkeypatch.setattr(build, "_maybe_graphs", recorded)
+    return made
+
+
 async def idle_stats(eng: Engine) -> dict[str, Any]:
     """Wait (polling, bounded) until nothing runs or waits; assert the engine holds nothing."""
     for _ in range(1000):

@@ -242,18 +242,11 @@ def test_rounds_that_capture_layers_replay_graphs_with_the_eager_bits(targets, n
 async def test_every_gate_holds_with_dflash_on_the_gpu(targets, name, monkeypatch) -> None:
     """drafted == plain in every gate; the target's rounds that hand DFlash its layers replay
     graphs."""
-    from tf_async.engine import build
+    from tests.engine_helpers import graph_decoders_built
     from tf_async.gate import PROMPTS, run_gates
     from tf_async.models.graph_decoder import GraphDecoder
 
-    made: list[Any] = []
-    maybe_graphs = build._maybe_graphs
-
-    def recorded(decoder: Any, graphs: bool) -> Any:
-        made.append(maybe_graphs(decoder, graphs))
-        return made[-1]
-
-    monkeypatch.setattr(build, "_maybe_graphs", recorded)
+    made = graph_decoders_built(monkeypatch)
     ckpt, spec = targets[name]
     rows, idle = await run_gates(ckpt, device="cuda", max_tokens=10, ctx=128,
                                  prompts=PROMPTS[:6], drafters=(spec,), temperature=8.0)

@@ -677,18 +677,11 @@ async def test_verify_rounds_replayed_from_graphs_keep_every_gate(hybrids, name,
     """CAPTURE_VERIFY_ROUNDS on: rounds that verify drafts (their rows stashed through the plan
     buffer) and MTP rounds (every row's hidden) replay graphs too; every gate holds (drafted ==
     plain with mtp and ngram, greedy and seeded) and verify rounds really were replayed."""
-    from tf_async.engine import build
+    from tests.engine_helpers import graph_decoders_built
     from tf_async.models import graph_decoder
 
     monkeypatch.setattr(graph_decoder, "CAPTURE_VERIFY_ROUNDS", True)
-    made: list[Any] = []
-    maybe_graphs = build._maybe_graphs
-
-    def recorded(decoder: Any, graphs: bool) -> Any:
-        made.append(maybe_graphs(decoder, graphs))
-        return made[-1]
-
-    monkeypatch.setattr(build, "_maybe_graphs", recorded)
+    made = graph_decoders_built(monkeypatch)
     rows, idle = await run_gates(hybrids[name], device="cuda", max_tokens=10, ctx=128,
                                  prompts=PROMPTS[:6], drafters=("mtp", "ngram"), temperature=HOT)
     failed = [r for r in rows if not r.ok]
