@@ -424,14 +424,7 @@ def main() -> None:
     parser.add_argument("--eager-verify", action="store_true",
                         help="verify and MTP rounds eagerly (graph_decoder's CAPTURE_VERIFY_ROUNDS "
                         "off), as before session 13")
-    parser.add_argument("--few-rows-variant", default=None, metavar="F:R:U:I",
-                        help="launches of 3-16 rows on qmma's variant F:R:U:I "
-                        "(cuda_kernels/qmma.py FEW_ROWS_VARIANT) instead of the default")
     args = parser.parse_args()
-    if args.few_rows_variant:
-        from cuda_kernels import qmma
-
-        qmma.FEW_ROWS_VARIANT = qmma.MmaVariant(*map(int, args.few_rows_variant.split(":")))
     if args.eager_verify:
         from tf_async.models import graph_decoder
 

@@ -438,25 +438,16 @@ MID_ROWS_MAX = 32  # up to here 32 features by 16 rows a block; beyond, 32 by 32
 LONG_K = 8192  # in_features past which qdot is faster up to MID_ROWS_MAX rows
 
 
-# Few-row launches (qdot's many-rows path: 3 .. FEW_ROWS_MAX rows, decode batches and draft
-# verification) on this kernel's interleaved variant instead of qdot; None: on qdot.
-FEW_ROWS_VARIANT: MmaVariant | None = None
-
-
 def takes(rows: int, in_features: int) -> bool:
     """Whether a launch of `rows` rows goes to this kernel rather than qdot's (same bits
     either way; H200 timings of benchmarks/bench_qmma.py, docs/PERFORMANCE.md)."""
-    if rows <= FEW_ROWS_MAX:
-        return FEW_ROWS_VARIANT is not None
-    return rows > MID_ROWS_MAX or in_features <= LONG_K
+    return rows > MID_ROWS_MAX or (rows > FEW_ROWS_MAX and in_features <= LONG_K)
 
 
 def plan(rows: int) -> MmaVariant:
     """The variant of a launch (none changes a row's bits; the fastest measured on an H200 at
     the Qwen3-8B shapes): 32 features by 16 rows a block for batches of decode or verify rows,
-    32 by 32 for prompt steps; FEW_ROWS_VARIANT for few rows where it is set."""
-    if rows <= FEW_ROWS_MAX and FEW_ROWS_VARIANT is not None:
-        return FEW_ROWS_VARIANT
+    32 by 32 for prompt steps."""
     if rows <= MID_ROWS_MAX:
         return MmaVariant(2, 2, 2)
     return MmaVariant(2, 4, 2)
