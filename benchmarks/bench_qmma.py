@@ -8,7 +8,7 @@ weights come from HBM), replayed 10 times (benchmarks/graph_timing.py); x is alr
 2 * rows * out * in over time.
 
     python benchmarks/bench_qmma.py [--rows 8,32,512,2048] [--shapes qkv,o,gate_up,down]
-        [--variants 1:1:4,1:4:4,2:4:2,1:1:2:1]   (ftiles:rtiles:unroll[:interleaved])
+        [--variants 1:1:4,1:4:4,2:4:2]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
 
     extra = [qmma.MmaVariant(*map(int, v.split(":"))) for v in args.variants.split(",") if v]
     print(f"{'shape':8} {'rows':>5} {'qdot us':>9} {'qmma us':>9} {'x':>6} {'TB/s':>6} {'Tops':>6} bits  "
-          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.unroll}{':i' if v.interleaved else ''} us" for v in extra))
+          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.unroll} us" for v in extra))
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
         copies, nbytes = weight_copies(cp, "q4", out_f, in_f)

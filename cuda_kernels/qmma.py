@@ -60,10 +60,7 @@ class MmaVariant:
 
     ftiles: int  # 16-feature tiles a block
     rtiles: int  # 8-row tiles a block
-    unroll: int  # chunks of a set loaded together (interleaved: chain steps of all 8 sets)
-    interleaved: int = 0  # 1: a warp's 8 sets advance together, a chain step of each in turn
-    # (8 sums an output in registers, the 8 sets' loads in flight at once: few rows, where
-    # the sets one after another leave a warp waiting on one set's chunks at a time)
+    unroll: int  # chunks of a set loaded together
 
 
 if SIMULATOR:
@@ -254,52 +251,6 @@ def _make_set_sum(kind: str, variant: MmaVariant, group_chunks: int):
     return set_sum, na, nb
 
 
-def _make_interleaved_sum(kind: str, variant: MmaVariant, group_chunks: int):
-    """The warp's total T_w with its 8 sets advanced together: chain step i of set j is chunk
-    w + 4j + 32i, steps in ascending order a set (each set's chain as set_sum runs it), the
-    loads of `unroll` steps of all 8 sets issued before their math; then the merge of
-    block_sum. The same float operations on the same values: the same bits."""
-    unroll, n_out = variant.unroll, variant.ftiles * variant.rtiles * 4
-    load, na, nb = _make_load(kind, variant)
-    math = _make_math(kind, variant, group_chunks)
-
-    @cuda.jit(device=True)
-    def interleaved_sum(chunks, x_refs, xs_refs, w_refs, s_refs, b_refs, work, sums, tot):
-        # sums: [8 * n_out] (set j's chain at j * n_out); tot: [n_out] the warp's T_w.
-        av, bv, sv = work
-        for o in range(8 * n_out):
-            sums[o] = np.float32(0.0)
-        warp = cuda.threadIdx.x // 32
-        base = warp  # set 0's chunk at this step: the sets at higher offsets end no later
-        lead = base - warp if SIMULATOR else base  # the simulator's mma needs the 4 warps in step
-        while lead < chunks:
-            for u in range(unroll):
-                for j in range(8):
-                    c = base + 4 * j + 32 * u
-                    if c < chunks:
-                        load(c, x_refs, w_refs, av[(8 * u + j) * na :], bv[(8 * u + j) * nb :])
-            for u in range(unroll):
-                for j in range(8):
-                    c = base + 4 * j + 32 * u
-                    slot = 8 * u + j
-                    if c < chunks:
-                        math(c, av[slot * na :], bv[slot * nb :], xs_refs, s_refs, b_refs, sv,
-                             sums[j * n_out :], True)
-                    elif SIMULATOR and c - warp < chunks:  # an mma for the other warps' sake
-                        math(chunks - 1, av[slot * na :], bv[slot * nb :], xs_refs, s_refs,
-                             b_refs, sv, sums[j * n_out :], False)
-            base += 32 * unroll
-            lead += 32 * unroll
-        for o in range(n_out):  # ((S0 + S4) + (S2 + S6)) + ((S1 + S5) + (S3 + S7))
-            s04 = sums[o] + sums[4 * n_out + o]
-            s26 = sums[2 * n_out + o] + sums[6 * n_out + o]
-            s15 = sums[n_out + o] + sums[5 * n_out + o]
-            s37 = sums[3 * n_out + o] + sums[7 * n_out + o]
-            tot[o] = (s04 + s26) + (s15 + s37)
-
-    return interleaved_sum, na, nb
-
-
 def _make_store(variant: MmaVariant, epilogue: str):
     rt, n_out = variant.rtiles, variant.ftiles * variant.rtiles * 4
     swiglu = epilogue == "swiglu"
@@ -340,11 +291,8 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
     feats_block = ft * (8 if epilogue == "swiglu" else TILE_FEATS)
     refs = _make_refs(variant, epilogue == "swiglu")
     set_sum, na, nb = _make_set_sum(kind, variant, group_chunks)
-    interleaved_sum, _, _ = _make_interleaved_sum(kind, variant, group_chunks)
     store = _make_store(variant, epilogue)
-    sets = 8 if variant.interleaved else 1  # sets whose loads are in flight together
-    rt2, ft2, ft4, a_slots, b_slots = 2 * rt, 2 * ft, 4 * ft, sets * unroll * na, sets * unroll * nb
-    interleaved = bool(variant.interleaved)
+    rt2, ft2, ft4, a_slots, b_slots = 2 * rt, 2 * ft, 4 * ft, unroll * na, unroll * nb
 
     @cuda.jit(device=True)
     def add_into(dst, a, b):
@@ -363,16 +311,11 @@ def _make_kernel(kind: str, variant: MmaVariant, group_chunks: int, epilogue: st
         work = (cuda.local.array(a_slots, np.uint32), cuda.local.array(b_slots, np.uint32),
                 cuda.local.array(ft4, np.float32))
         cur = cuda.local.array(n_out, np.float32)
-        chunks = w.shape[2] // wpc
-        args = (chunks, x_refs, xs_refs, w_refs, s_refs, b_refs, work)
-        if interleaved:
-            sums = cuda.local.array(8 * n_out, np.float32)
-            interleaved_sum(*args, sums, cur)
-            store(cur, row0, row_end, feat0, out)
-            return
         l0 = cuda.local.array(n_out, np.float32)
         l1 = cuda.local.array(n_out, np.float32)
         l2 = cuda.local.array(n_out, np.float32)
+        chunks = w.shape[2] // wpc
+        args = (chunks, x_refs, xs_refs, w_refs, s_refs, b_refs, work)
         set_sum(0, *args, l0)
         set_sum(4, *args, cur)
         add_into(l1, l0, cur)  # S0 + S4

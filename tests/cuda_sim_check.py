@@ -206,7 +206,6 @@ def check_matmul(rng: np.random.Generator) -> None:
         _check_matmul_invariance(*case)
     _check_full_steps(rng)
     _check_tensor_core_matmul(rng)
-    _check_interleaved_tensor_core(rng)
 
 
 def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
@@ -232,34 +231,6 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
         assert np.array_equal(outs["few"], outs["mma"]), (kind, in_f, epilogue)
         if epilogue == "store":
             assert rel_err(outs["mma"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
-
-
-def _check_interleaved_tensor_core(rng: np.random.Generator) -> None:
-    """qmma's interleaved variants (a warp's 8 sets advanced together) give the few-rows
-    path's bits: chunk counts that leave sets and warps uneven (11, 34, 72 chunks), q4 and
-    q8, one and two row tiles, unroll 1 and 2."""
-    from cuda_kernels import launch, qdot, qmma
-    from cuda_kernels.launch import _go
-
-    for kind, bits, in_f, gs, out_f, rows, epilogue, variant in (
-        ("q4", 4, 352, 32, 9, 3, "add", qmma.MmaVariant(1, 1, 2, 1)),
-        ("q8", 8, 1088, 32, 19, 5, "store", qmma.MmaVariant(1, 2, 1, 1)),
-        ("q4", 4, 2304, 64, 17, 8, "store", qmma.MmaVariant(1, 1, 2, 1)),
-    ):
-        codes, scales, biases, _ = affine_weight(rng, 1, out_f, in_f, bits, gs)
-        x = rng.standard_normal((rows, in_f)).astype(np.float32)
-        start = rng.standard_normal((rows, out_f)).astype(np.float32)
-        outs = [start.copy() if epilogue == "add" else np.full((rows, out_f), np.nan, np.float32)
-                for _ in range(2)]
-        launch.matmul(kind, x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[0], path="few",
-                      epilogue=epilogue)
-        q_shape, s_shape = launch.quantize_scratch_shapes(rows, in_f)
-        xq, xs = np.empty(q_shape, np.int8), np.empty(s_shape, np.float32)
-        launch.quantize(kind, x, xq, xs)
-        grid, block = qmma.launch_shape(rows, out_f, variant, epilogue)
-        _go(qmma.qmma_kernel(kind, variant, gs // qdot.CHUNK, epilogue), grid, block, None,
-            xq.view(np.uint32), xs, codes, scales, biases, outs[1])
-        assert np.array_equal(outs[0], outs[1]), (kind, in_f, variant)
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:
