@@ -21,7 +21,9 @@ import numpy as np
 from graph_timing import graph_seconds
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-          "k": (1024, 4096), "lm_head": (151936, 4096)}
+          "k": (1024, 4096), "lm_head": (151936, 4096),
+          # 27B-class hybrid (hidden 5120, intermediate 17408): gate|up and down
+          "gate_up_27b": (34816, 5120), "down_27b": (5120, 17408)}
 WORKING_SET = 400 << 20  # bytes of weight copies per measurement (~8x the H200's L2)
 
 

@@ -93,7 +93,11 @@ class CallGraphs:
         with xp.cuda.using_allocator(self._pool.malloc), self._stream, self.ops.unchecked():
             static = tuple(xp.empty(a.shape, a.dtype) for a in inputs)
             _load(xp, static, inputs)
-            outputs = tuple(a.copy() for a in fn(*static))
+            eager = fn(*static)
+        with self._stream:  # the caller's copies from the default pool: memory of the graphs'
+            outputs = tuple(a.copy() for a in eager)  # pool may be a graph's temporaries
+        del eager
+        with xp.cuda.using_allocator(self._pool.malloc), self._stream, self.ops.unchecked():
             try:
                 self._stream.begin_capture(mode=relaxed_capture_mode(xp))
                 try:
