@@ -14,6 +14,9 @@ are timed as they run. The "other" line of execute is what the runner does aroun
     python benchmarks/op_profile.py --model 27b --device cuda --streams 1 --drafter dflash
         (a random 4-bit DFlash2 drafter of the model's shapes; its block forward, LM head,
         context writes and kernels timed as phases; --draft-backoff 0: every round drafts)
+    python benchmarks/op_profile.py --model 27b --device cuda --streams 1 --drafter dflash --phases-only
+        (--phases-only: no op timers (they sync, which stops graph captures and replays): the
+        round's phases with a sync at each end, after a warm-up run as long as the timed one)
     python benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 1 --kernels
         (--kernels: no op timers; the window's GPU kernels (graph replays included) from
         torch.profiler's CUPTI trace, summed by kernel name, per round; add --no-pdl for each
@@ -144,6 +147,8 @@ def table(timer: OpTimer, rounds: int, wall_s: float, label: str) -> list[str]:
         ms = 1e3 * timer.seconds[name] / per
         share = timer.seconds[name] / total if total else float("nan")
         lines.append(f"{name:<34} {ms:>9.3f} {timer.calls[name] / per:>11.1f} {share:>6.1%}")
+    if not ops:  # --phases-only
+        return lines
     rest = timer.seconds.get("phase execute", 0.0) - sum(ops.values())
     lines.append(f"{'execute other (runner, Python)':<34} {1e3 * rest / per:>9.3f} "
                  f"{'':>11} {rest / total if total else float('nan'):>6.1%}")
@@ -189,7 +194,7 @@ def short_kernel_name(name: str) -> str:
 
 async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_tokens: int,
                   ctx: int, drafter: str | None = None, kernels: bool = False,
-                  draft_backoff: int = 0) -> list[str]:
+                  draft_backoff: int = 0, phases_only: bool = False) -> list[str]:
     from tf_async import Engine
 
     rng = np.random.default_rng(streams)
@@ -203,8 +208,11 @@ async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_
         sync = parts.ops.synchronize if device != "cpu" else None
         timer = OpTimer(sync)
         if not kernels:
-            timer.install_ops(parts.ops)
+            if not phases_only:
+                timer.install_ops(parts.ops)
             dflash = DFLASH_PHASES if drafter and drafter.startswith("dflash:") else ()
+            if phases_only:  # only what runs outside a graph capture (a sync inside one stops it)
+                dflash = tuple(p for p in dflash if p[1] == "write_context")
             for owner_path, method in PHASES + (DRAFT_PHASES + dflash if drafter else ()):
                 owner: Any = parts
                 for name in owner_path.split("."):
@@ -220,7 +228,7 @@ async def profile(ckpt: Any, device: str, streams: int, max_tokens: int, prompt_
 
         # the prompts first (untimed), then a window of decode rounds
         await asyncio.gather(*(eng.complete(p, max_tokens=1) for p in prompts))
-        if kernels:  # a run as long as the timed one first: every graph captured before
+        if kernels or phases_only:  # a run as long as the timed one first: every graph captured before
             await asyncio.gather(*(eng.complete(p, max_tokens=max_tokens, ignore_eos=True)
                                    for p in prompts))
         rounds0 = int(eng.stats()["rounds"])
@@ -283,6 +291,10 @@ def main() -> None:
                    help="the engine's draft pacing (default 0: every round drafts)")
     p.add_argument("--kernels", action="store_true",
                    help="GPU kernels by name from torch.profiler (CUPTI), no op timers")
+    p.add_argument("--phases-only", action="store_true",
+                   help="time the round's phases (schedule, propose, execute, commit_states, "
+                        "absorb, write_context, update) with a device sync at each end, no op "
+                        "timers: the phases' graphs replay as they do untimed")
     p.add_argument("--no-pdl", action="store_true",
                    help="capture plain CUDA graphs (no programmatic edges): with them a kernel's "
                         "traced time includes its wait for the one before it")
@@ -309,7 +321,7 @@ def main() -> None:
     for streams in args.streams:
         lines = asyncio.run(profile(ckpt, args.device, streams, args.max_tokens,
                                     args.prompt_tokens, args.ctx, drafter, args.kernels,
-                                    args.draft_backoff))
+                                    args.draft_backoff, args.phases_only))
         print(f"\n{args.model} on {args.device}")
         print("\n".join(lines), flush=True)
 
