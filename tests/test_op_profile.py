@@ -14,6 +14,14 @@ async def test_profile_splits_a_round_into_phases_and_ops(tiny_llama) -> None:
     assert lines[-1].startswith("execute other")
 
 
+async def test_phases_only_times_phases_and_no_op(tiny_llama) -> None:
+    lines = await profile(tiny_llama, "cpu", streams=1, max_tokens=4, prompt_tokens=6, ctx=64,
+                          drafter="ngram", phases_only=True)
+    names = [line.split()[1] for line in lines[2:]]
+    assert {"execute", "schedule", "update", "propose", "absorb"} <= set(names)
+    assert not any(line.startswith(("op ", "execute other")) for line in lines)
+
+
 def test_only_outermost_calls_are_timed() -> None:
     import threading
 
