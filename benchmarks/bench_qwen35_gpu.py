@@ -424,7 +424,14 @@ def main() -> None:
     parser.add_argument("--eager-verify", action="store_true",
                         help="verify and MTP rounds eagerly (graph_decoder's CAPTURE_VERIFY_ROUNDS "
                         "off), as before session 13")
+    parser.add_argument("--qmma-wide-rows", type=int, default=None, metavar="N",
+                        help="launches of N-16 rows with wide outputs on the tensor cores "
+                        "(cuda_kernels/qmma.py WIDE_ROWS_MIN; default off)")
     args = parser.parse_args()
+    if args.qmma_wide_rows is not None:
+        from cuda_kernels import qmma
+
+        qmma.WIDE_ROWS_MIN = args.qmma_wide_rows
     if args.eager_verify:
         from tf_async.models import graph_decoder
 

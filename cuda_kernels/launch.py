@@ -71,7 +71,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
         in_features = w.shape[2] * _mm.PER_WORD[kind]
-        if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features)):
+        if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features, out_features)):
             if grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
                 raise ValueError("matmul: the tensor-core path does not take expert-grouped rows")
             mma = _qm.plan(rows)

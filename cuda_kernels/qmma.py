@@ -381,9 +381,20 @@ MID_ROWS_MAX = 32  # up to here 32 features by 16 rows a block; beyond, 32 by 32
 LONG_K = 8192  # in_features past which qdot is faster up to MID_ROWS_MAX rows
 
 
-def takes(rows: int, in_features: int) -> bool:
+# Launches of WIDE_ROWS_MIN .. FEW_ROWS_MAX rows with at least WIDE_OUT outputs (and
+# in_features <= LONG_K) taking this kernel too; None: off. One H100, session 22: at 16 rows
+# and 24576 / 34816 outputs 1.25-1.3x faster than qdot, at 8 rows slower; not yet measured
+# in an engine round (benchmarks/bench_qwen35_gpu.py --qmma-wide-rows 16 is the A/B).
+WIDE_ROWS_MIN: int | None = None
+WIDE_OUT = 16384
+
+
+def takes(rows: int, in_features: int, out_features: int = 0) -> bool:
     """Whether a launch of `rows` rows goes to this kernel rather than qdot's (same bits
     either way; H200 timings of benchmarks/bench_qmma.py, docs/PERFORMANCE.md)."""
+    if (WIDE_ROWS_MIN is not None and WIDE_ROWS_MIN <= rows <= FEW_ROWS_MAX
+            and out_features >= WIDE_OUT and in_features <= LONG_K):
+        return True
     return rows > MID_ROWS_MAX or (rows > FEW_ROWS_MAX and in_features <= LONG_K)
 
 

@@ -206,6 +206,7 @@ def check_matmul(rng: np.random.Generator) -> None:
         _check_matmul_invariance(*case)
     _check_full_steps(rng)
     _check_tensor_core_matmul(rng)
+    _check_tensor_core_routing()
 
 
 def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
@@ -231,6 +232,26 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
         assert np.array_equal(outs["few"], outs["mma"]), (kind, in_f, epilogue)
         if epilogue == "store":
             assert rel_err(outs["mma"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
+
+
+def _check_tensor_core_routing() -> None:
+    """Which launches qmma takes from qdot (only speed depends on it): by default 17-32 rows
+    where K <= LONG_K and every prompt-sized launch; with WIDE_ROWS_MIN set, few-row launches
+    with wide outputs too."""
+    from cuda_kernels import qmma
+
+    assert qmma.WIDE_ROWS_MIN is None
+    assert not qmma.takes(16, 5120, 34816) and not qmma.takes(8, 4096, 24576)
+    assert qmma.takes(17, 4096, 1024) and not qmma.takes(17, 17408, 5120)
+    assert qmma.takes(33, 17408, 5120)
+    qmma.WIDE_ROWS_MIN = 12
+    try:
+        assert qmma.takes(16, 5120, 34816) and qmma.takes(12, 4096, qmma.WIDE_OUT)
+        assert not qmma.takes(11, 5120, 34816)  # fewer rows than the minimum
+        assert not qmma.takes(16, 5120, qmma.WIDE_OUT - 1)  # narrow outputs
+        assert not qmma.takes(16, qmma.LONG_K + 32, 34816)  # long K
+    finally:
+        qmma.WIDE_ROWS_MIN = None
 
 
 def _check_full_steps(rng: np.random.Generator) -> None:
