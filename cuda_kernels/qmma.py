@@ -389,7 +389,7 @@ WIDE_ROWS_MIN: int | None = None
 WIDE_OUT = 16384
 
 
-def takes(rows: int, in_features: int, out_features: int = 0) -> bool:
+def takes(rows: int, in_features: int, out_features: int) -> bool:
     """Whether a launch of `rows` rows goes to this kernel rather than qdot's (same bits
     either way; H200 timings of benchmarks/bench_qmma.py, docs/PERFORMANCE.md)."""
     if (WIDE_ROWS_MIN is not None and WIDE_ROWS_MIN <= rows <= FEW_ROWS_MAX
