@@ -19,6 +19,7 @@ from cuda_kernels import moe as _moe
 from cuda_kernels import norm as _norm
 from cuda_kernels import qdot as _qd
 from cuda_kernels import qmma as _qm
+from cuda_kernels import qmma_few as _qf
 from cuda_kernels import sampling as _smp
 from cuda_kernels.env import SIMULATOR as _SIMULATOR
 from cuda_kernels.env import cuda as _cuda
@@ -44,8 +45,9 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     """out [rows, out_f] = x @ W.T. w/scales/biases carry the expert axis [E, ...];
     grouped: expert_ids[r] picks row r's expert (else expert 0 and expert_ids is a
     placeholder int32 array). path: 'few', 'many', 'mma' (the tensor cores: int8-x weights,
-    cuda_kernels/qmma.py; 'many' takes it where it is faster) or None (by row count); every path
-    gives a row the same bits. epilogue: 'store',
+    cuda_kernels/qmma.py; 'many' takes it where it is faster), 'mma_few' (1..16 rows of q4
+    int8-x weights on the tensor cores, cuda_kernels/qmma_few.py) or None (by row count, and
+    'mma_few' where qmma_few.takes()); every path gives a row the same bits. epilogue: 'store',
     'add' (out += x @ W.T) or 'swiglu' (W = [gate; up], out [rows, I]).
     Affine weights that uses_int8_x() accepts multiply x quantized to int8 per chunk of 32
     (cuda_kernels/qdot.py): quantize_rows into xq [rows, K] int8 and xs [rows, 2K/32] f32
@@ -53,6 +55,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     (rms_norm_quantize wrote them; x is not read and may be None). x_repeat (grouped int8-x
     weights only): out row r multiplies x row r // x_repeat (x holds each MoE token once)."""
     rows, out_features = out.shape
+    auto = path is None
     if path is None:
         path = "few" if rows <= _mm.FEW_ROWS_MAX or grouped else "many"
     for name, array in (("x", x), ("w", w), ("scales", scales), ("biases", biases)):
@@ -65,12 +68,15 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
         raise ValueError("matmul: x_repeat takes grouped rows of int8-x weights on the few-rows path")
     if (xq if x_ready else x).shape[0] * x_repeat != rows:
         raise ValueError(f"matmul: {rows} out rows from x rows times x_repeat {x_repeat}")
-    if path == "mma" and not int8_x:
+    if path in ("mma", "mma_few") and not int8_x:
         raise ValueError(f"matmul: the tensor-core path takes int8-x affine weights, not {kind}")
     if int8_x:
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
         in_features = w.shape[2] * _mm.PER_WORD[kind]
+        if path == "mma_few" or (auto and not grouped and _qf.takes(kind, rows, in_features, group_size)):
+            _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue)
+            return
         if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features, out_features)):
             if grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
                 raise ValueError("matmul: the tensor-core path does not take expert-grouped rows")
@@ -91,6 +97,20 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     kernel = _mm.matmul_kernel(kind, variant, group_words, grouped, epilogue)
     grid, block = _mm.launch_shape(rows, out_features, variant, epilogue)
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
+
+
+def _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue) -> None:
+    # A few rows on the tensor cores (cuda_kernels/qmma_few.py), qdot's bits.
+    rows, in_features = xq.shape
+    if grouped or not _qf.supports(kind, rows, in_features, group_size) or w.shape[0] != 1:
+        raise ValueError(f"matmul: the few-rows tensor-core path takes 1..{_qf.MAX_ROWS} ungrouped rows of "
+                         f"q4 weights with in_features a multiple of 64 (got {kind}, {rows} rows, K {in_features})")
+    if _address(xq) % 16 or _address(xs) % 16:
+        raise ValueError("matmul: the few-rows tensor-core path needs 16-byte aligned int8 x and x scales")
+    variant = _qf.plan(rows)
+    grid, block = _qf.launch_shape(rows, out.shape[1], variant, epilogue)
+    kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, in_features // group_size, epilogue)
+    _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)
 
 
 SORTED_EXPERT_ROWS = _qm.TILE_ROWS * _qm.GROUPED_VARIANT.rtiles  # rows a block of sorted_expert_matmul

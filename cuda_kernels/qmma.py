@@ -52,6 +52,7 @@ THREADS = 32 * PARTS
 TILE_ROWS = 8  # x rows a tile (mma n)
 TILE_FEATS = 16  # weight rows a tile (mma m)
 _NIB = np.uint32(0x0F0F0F0F)
+_SIM_THREADS = 256  # threads a block of the kernels that call the simulator's mma (qmma_few: 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,7 @@ if SIMULATOR:
     def _mma(a0, a1, a2, a3, b0, b1):
         # The warp's fragments through shared memory (every thread of the block calls, in
         # uniform flow), then each lane's four int32 sums as the tensor core forms them.
-        buf = cuda.shared.array((THREADS, 6), np.uint32)
+        buf = cuda.shared.array((_SIM_THREADS, 6), np.uint32)
         tid = cuda.threadIdx.x
         for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
             buf[tid, i] = v

@@ -207,6 +207,7 @@ def check_matmul(rng: np.random.Generator) -> None:
     _check_full_steps(rng)
     _check_tensor_core_matmul(rng)
     _check_tensor_core_routing()
+    _check_few_rows_tensor_core_matmul(rng)
 
 
 def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
@@ -232,6 +233,35 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
         assert np.array_equal(outs["few"], outs["mma"]), (kind, in_f, epilogue)
         if epilogue == "store":
             assert rel_err(outs["mma"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, (kind, in_f)
+
+
+def _check_few_rows_tensor_core_matmul(rng: np.random.Generator) -> None:
+    """The few-rows tensor-core path (cuda_kernels/qmma_few.py, mma and shuffles emulated)
+    gives qdot's bits for every epilogue: chunk counts that leave warps and chains without a
+    last step (34 chunks: 2 past a whole step), groups of 1, 2 and 4 chunks, partial feature
+    blocks, 1 to 11 rows (11: two row blocks)."""
+    from cuda_kernels import launch
+    from cuda_kernels import qmma_few as qf
+
+    for in_f, gs, out_f, rows, epilogue in (
+        (1088, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"), (1152, 128, 16, 1, "add"),
+    ):
+        codes, scales, biases, deq = affine_weight(rng, 1, out_f, in_f, 4, gs)
+        x = rng.standard_normal((rows, in_f)).astype(np.float32)
+        width = out_f // 2 if epilogue == "swiglu" else out_f
+        start = rng.standard_normal((rows, width)).astype(np.float32)
+        assert qf.supports("q4", rows, in_f, gs)
+        outs = {}
+        for path in ("few", "mma_few"):
+            outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
+            launch.matmul("q4", x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
+                          epilogue=epilogue)
+        assert np.array_equal(outs["few"], outs["mma_few"]), (in_f, gs, epilogue)
+        if epilogue == "store":
+            assert rel_err(outs["mma_few"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, in_f
+    assert not qf.supports("q8", 3, 1024, 64) and not qf.supports("q4", 17, 1024, 64)
+    assert not qf.supports("q4", 3, 1056, 32)  # x-scale rows not 16-byte multiples
+    assert not qf.takes("q4", 3, 1024, 64)  # off until measured (MIN_ROWS None)
 
 
 def _check_tensor_core_routing() -> None:

@@ -87,6 +87,40 @@ def test_tensor_core_rows_are_bit_identical_at_every_row_count(ops, rng, kind, b
         assert np.array_equal(mma, full[start : start + rows]), rows
 
 
+@pytest.mark.parametrize("in_f,gs", [(5120, 64), (17408, 64), (2048, 32)])
+def test_few_rows_tensor_core_path_gives_qdot_bits_at_every_row_count(ops, rng, in_f, gs) -> None:
+    """The few-rows tensor-core path (cuda_kernels/qmma_few.py) gives qdot's bits at 1 to 16
+    rows (one and two row blocks) at Qwen3.5-27B's K (5120, 17408) and a K of 64 chunks."""
+    out_f = 1040  # not a whole number of 16-feature blocks
+    codes, scales, biases, deq = ref.affine_weight(rng, 1, out_f, in_f, 4, gs)
+    x = rng.standard_normal((16, in_f)).astype(np.float32)
+    parts = (codes, scales, biases)
+    qdot = _matmul(ops, "q4", x, parts, gs, path="few")
+    assert ref.rel_err(qdot, ref.affine_x_ref(x, gs) @ deq[0].T) < MATMUL_BOUND
+    for rows in (1, 2, 3, 8, 9, 16):
+        start = int(rng.integers(0, 17 - rows))
+        few = _matmul(ops, "q4", x[start : start + rows], parts, gs, path="mma_few")
+        assert np.array_equal(few, qdot[start : start + rows]), rows
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "add"])
+def test_few_rows_tensor_core_epilogues_equal_qdot(ops, rng, epilogue) -> None:
+    from cuda_kernels import launch
+
+    in_f, out_f, gs, rows = 5120, 3000, 64, 8
+    codes, scales, biases, _ = ref.affine_weight(rng, 1, out_f, in_f, 4, gs)
+    x = rng.standard_normal((rows, in_f)).astype(np.float32)
+    width = out_f // 2 if epilogue == "swiglu" else out_f
+    start = rng.standard_normal((rows, width)).astype(np.float32)
+    outs = []
+    for path in ("few", "mma_few"):
+        out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
+        _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
+             ops._no_experts, out, path=path, epilogue=epilogue)
+        outs.append(ops.to_host(out))
+    assert np.array_equal(outs[0], outs[1]) and not np.isnan(outs[1]).any()
+
+
 @pytest.mark.parametrize("epilogue", ["swiglu", "add"])
 def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue) -> None:
     from cuda_kernels import launch
