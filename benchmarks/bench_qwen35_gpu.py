@@ -427,7 +427,14 @@ def main() -> None:
     parser.add_argument("--qmma-wide-rows", type=int, default=None, metavar="N",
                         help="launches of N-16 rows with wide outputs on the tensor cores "
                         "(cuda_kernels/qmma.py WIDE_ROWS_MIN; default off)")
+    parser.add_argument("--qmma-few-rows", default=None, metavar="LO:HI",
+                        help="q4 launches of LO..HI rows on the few-rows tensor-core kernel "
+                        "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default off)")
     args = parser.parse_args()
+    if args.qmma_few_rows is not None:
+        from cuda_kernels import qmma_few
+
+        qmma_few.MIN_ROWS, qmma_few.TAKE_MAX = map(int, args.qmma_few_rows.split(":"))
     if args.qmma_wide_rows is not None:
         from cuda_kernels import qmma
 
