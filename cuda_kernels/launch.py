@@ -74,7 +74,8 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
         in_features = w.shape[2] * _mm.PER_WORD[kind]
-        if path == "mma_few" or (auto and not grouped and _qf.takes(kind, rows, in_features, group_size)):
+        if path == "mma_few" or (auto and not grouped and _qf.takes(kind, rows, in_features, group_size)
+                                 and _few_mma_aligned(xq, xs, scales, biases, group_size)):
             _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue)
             return
         if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features, out_features)):
@@ -99,14 +100,23 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
     _go(kernel, grid, block, stream, x, w, scales, biases, expert_ids, out)
 
 
+def _few_mma_aligned(xq, xs, scales, biases, group_size) -> bool:
+    # Its 16-byte loads of x and x scales, and the ring's copies of scale pieces
+    piece = _qf.piece_bytes(group_size) if _qf.STAGES else 4
+    return (_address(xq) % 16 == 0 and _address(xs) % 16 == 0 and xq.strides[0] % 16 == 0
+            and xs.strides[0] % 16 == 0 and all(_address(a) % piece == 0 and a.strides[1] % piece == 0
+                                                 for a in (scales, biases)))
+
+
 def _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue) -> None:
     # A few rows on the tensor cores (cuda_kernels/qmma_few.py), qdot's bits.
     rows, in_features = xq.shape
     if grouped or not _qf.supports(kind, rows, in_features, group_size) or w.shape[0] != 1:
         raise ValueError(f"matmul: the few-rows tensor-core path takes 1..{_qf.MAX_ROWS} ungrouped rows of "
-                         f"q4 weights with in_features a multiple of 64 (got {kind}, {rows} rows, K {in_features})")
-    if _address(xq) % 16 or _address(xs) % 16:
-        raise ValueError("matmul: the few-rows tensor-core path needs 16-byte aligned int8 x and x scales")
+                         f"q4 weights with in_features a multiple of 128 (got {kind}, {rows} rows, K {in_features})")
+    if not _few_mma_aligned(xq, xs, scales, biases, group_size):
+        raise ValueError("matmul: the few-rows tensor-core path needs 16-byte aligned int8 x and x scales, "
+                         "and scale rows aligned to its copies")
     variant = _qf.plan(rows)
     grid, block = _qf.launch_shape(rows, out.shape[1], variant, epilogue)
     kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, in_features // group_size, epilogue)

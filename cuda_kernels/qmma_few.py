@@ -476,7 +476,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     swiglu = epilogue == "swiglu"
     feats_block = ft * (8 if swiglu else 16)
     per_step = max(1, CHAINS // group_chunks)  # scale groups of a warp's step
-    piece_bytes = 4 * per_step
+    piece = piece_bytes(32 * group_chunks)
     gi_div = min(group_chunks, CHAINS)  # chunk i of a step is in the step's group i // gi_div
     w_rows, quads = 2 * ft * THREADS, THREADS // 4
     stage_rows = w_rows + 4 * ft * quads
@@ -487,7 +487,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     ft2, rt2 = 2 * ft, 2 * rt
     feature = _make_feature(swiglu)
     reduce_warps, store = _make_finish(variant, epilogue)
-    copy_w, copy_s = (_copy_async, _copy_async) if SIMULATOR else (_COPIES[16], _COPIES[piece_bytes])
+    copy_w, copy_s = (_copy_async, _copy_async) if SIMULATOR else (_COPIES[16], _COPIES[piece])
     wait = _wait_ring if SIMULATOR else _make_wait(stages - 1)
 
     @cuda.jit(device=True)
@@ -651,6 +651,11 @@ def qmma_few_kernel(variant: FewVariant, group_chunks: int, groups: int, epilogu
         else:
             _KERNELS[key] = _make_kernel(variant, group_chunks, groups, epilogue)
     return _KERNELS[key]
+
+
+def piece_bytes(group_size: int) -> int:
+    """Bytes of one scale piece the ring copies (a warp's step: 4 chunks' groups of a row)."""
+    return 4 * max(1, CHAINS // max(1, group_size // 32))
 
 
 def shared_bytes(variant: FewVariant, groups: int) -> int:
