@@ -128,6 +128,21 @@ else:
     _ld_x2 = mm._asm_load("ld.global.nc.v2.u32", 2, "r", types.UniTuple(types.uint32, 2))
 
 
+@cuda.jit(device=True)
+def chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3):
+    """qdot's chunk step for the 4 C elements of one mma tile, acc[o .. o + 3] (features g,
+    g + 8 by x rows 2t, 2t + 1; their scales s0/bias0, s1/bias1; the rows' d, e):
+    acc = fma(s * d, float(isum), acc); acc = fma(b, e, acc)."""
+    acc[o] = cuda.fma(s0 * d0, np.float32(i0), acc[o])
+    acc[o] = cuda.fma(bias0, e0, acc[o])
+    acc[o + 1] = cuda.fma(s0 * d1, np.float32(i1), acc[o + 1])
+    acc[o + 1] = cuda.fma(bias0, e1, acc[o + 1])
+    acc[o + 2] = cuda.fma(s1 * d0, np.float32(i2), acc[o + 2])
+    acc[o + 2] = cuda.fma(bias1, e0, acc[o + 2])
+    acc[o + 3] = cuda.fma(s1 * d1, np.float32(i3), acc[o + 3])
+    acc[o + 3] = cuda.fma(bias1, e1, acc[o + 3])
+
+
 def _make_refs(variant: MmaVariant, swiglu: bool):
     ft, rt = variant.ftiles, variant.rtiles
 
@@ -210,14 +225,7 @@ def _make_math(kind: str, variant: MmaVariant, group_chunks: int):
                     continue
                 o = (a * rt + b) * 4
                 s0, bias0, s1, bias1 = sv[4 * a], sv[4 * a + 1], sv[4 * a + 2], sv[4 * a + 3]
-                acc[o] = cuda.fma(s0 * d0, np.float32(i0), acc[o])
-                acc[o] = cuda.fma(bias0, e0, acc[o])
-                acc[o + 1] = cuda.fma(s0 * d1, np.float32(i1), acc[o + 1])
-                acc[o + 1] = cuda.fma(bias0, e1, acc[o + 1])
-                acc[o + 2] = cuda.fma(s1 * d0, np.float32(i2), acc[o + 2])
-                acc[o + 2] = cuda.fma(bias1, e0, acc[o + 2])
-                acc[o + 3] = cuda.fma(s1 * d1, np.float32(i3), acc[o + 3])
-                acc[o + 3] = cuda.fma(bias1, e1, acc[o + 3])
+                chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
 
     return math
 

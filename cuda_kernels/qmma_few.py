@@ -368,14 +368,7 @@ def _make_kernel(variant: FewVariant, group_chunks: int, groups: int, epilogue: 
                 if live:
                     s0, bias0, s1, bias1 = sv[4 * a], sv[4 * a + 1], sv[4 * a + 2], sv[4 * a + 3]
                     o = i * n_out + (a * rt + b) * 4
-                    acc[o] = cuda.fma(s0 * d0, np.float32(i0), acc[o])
-                    acc[o] = cuda.fma(bias0, e0, acc[o])
-                    acc[o + 1] = cuda.fma(s0 * d1, np.float32(i1), acc[o + 1])
-                    acc[o + 1] = cuda.fma(bias0, e1, acc[o + 1])
-                    acc[o + 2] = cuda.fma(s1 * d0, np.float32(i2), acc[o + 2])
-                    acc[o + 2] = cuda.fma(bias1, e0, acc[o + 2])
-                    acc[o + 3] = cuda.fma(s1 * d1, np.float32(i3), acc[o + 3])
-                    acc[o + 3] = cuda.fma(bias1, e1, acc[o + 3])
+                    qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
 
     @cuda.jit(device=True)
     def load_scales_x(base, xs_refs, dv):
@@ -550,14 +543,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
                 s1 = mm._bits_f32(sv[(4 * a + 2) * per_step + gi])
                 bias1 = mm._bits_f32(sv[(4 * a + 3) * per_step + gi])
                 o = i * n_out + (a * rt + b) * 4
-                acc[o] = cuda.fma(s0 * d0, np.float32(i0), acc[o])
-                acc[o] = cuda.fma(bias0, e0, acc[o])
-                acc[o + 1] = cuda.fma(s0 * d1, np.float32(i1), acc[o + 1])
-                acc[o + 1] = cuda.fma(bias0, e1, acc[o + 1])
-                acc[o + 2] = cuda.fma(s1 * d0, np.float32(i2), acc[o + 2])
-                acc[o + 2] = cuda.fma(bias1, e0, acc[o + 2])
-                acc[o + 3] = cuda.fma(s1 * d1, np.float32(i3), acc[o + 3])
-                acc[o + 3] = cuda.fma(bias1, e1, acc[o + 3])
+                qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
 
     @cuda.jit(device=True)
     def load_x(base, x_refs, xs_refs, xv, dv):

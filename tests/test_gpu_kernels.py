@@ -103,38 +103,23 @@ def test_few_rows_tensor_core_path_gives_qdot_bits_at_every_row_count(ops, rng, 
         assert np.array_equal(few, qdot[start : start + rows]), rows
 
 
+@pytest.mark.parametrize("path,rows,in_f", [("mma", 45, 4096), ("mma_few", 8, 5120)])
 @pytest.mark.parametrize("epilogue", ["swiglu", "add"])
-def test_few_rows_tensor_core_epilogues_equal_qdot(ops, rng, epilogue) -> None:
+def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue, path, rows, in_f) -> None:
+    """The tensor-core paths (qmma at 45 rows, qmma_few at 8) with the swiglu and add
+    epilogues give qdot's bits."""
     from cuda_kernels import launch
 
-    in_f, out_f, gs, rows = 5120, 3000, 64, 8
+    out_f, gs = 3000, 64
     codes, scales, biases, _ = ref.affine_weight(rng, 1, out_f, in_f, 4, gs)
     x = rng.standard_normal((rows, in_f)).astype(np.float32)
     width = out_f // 2 if epilogue == "swiglu" else out_f
     start = rng.standard_normal((rows, width)).astype(np.float32)
     outs = []
-    for path in ("few", "mma_few"):
+    for p in ("few", path):
         out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
-        _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
-             ops._no_experts, out, path=path, epilogue=epilogue)
-        outs.append(ops.to_host(out))
-    assert np.array_equal(outs[0], outs[1]) and not np.isnan(outs[1]).any()
-
-
-@pytest.mark.parametrize("epilogue", ["swiglu", "add"])
-def test_tensor_core_epilogues_equal_the_one_row_kernel(ops, rng, epilogue) -> None:
-    from cuda_kernels import launch
-
-    in_f, out_f, gs, rows = 4096, 3000, 64, 45
-    codes, scales, biases, _ = ref.affine_weight(rng, 1, out_f, in_f, 4, gs)
-    x = rng.standard_normal((rows, in_f)).astype(np.float32)
-    width = out_f // 2 if epilogue == "swiglu" else out_f
-    start = rng.standard_normal((rows, width)).astype(np.float32)
-    outs = []
-    for path in ("few", "mma"):
-        out = ops.asarray(start) if epilogue == "add" else _poisoned(ops, (rows, width))
-        _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(p) for p in (codes, scales, biases)], gs,
-             ops._no_experts, out, path=path, epilogue=epilogue)
+        _run(ops, launch.matmul, "q4", ops.asarray(x), *[ops.asarray(a) for a in (codes, scales, biases)], gs,
+             ops._no_experts, out, path=p, epilogue=epilogue)
         outs.append(ops.to_host(out))
     assert np.array_equal(outs[0], outs[1]) and not np.isnan(outs[1]).any()
 
