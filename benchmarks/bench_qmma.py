@@ -68,7 +68,7 @@ def few_launcher(rows: int, out_f: int, in_f: int, variant=None):
     from cuda_kernels.launch import _go
 
     variant = variant or qmma_few.plan(rows)
-    kernel = qmma_few.qmma_few_kernel(variant, 2, in_f // 64)
+    kernel = qmma_few.qmma_few_kernel(variant, 2)
     grid, block = qmma_few.launch_shape(rows, out_f, variant)
 
     def launch_one(nstream, dev, w, s, b) -> None:
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
     parser.add_argument("--variants", default="")
     parser.add_argument("--few-variants", default="",
-                        help="more qmma_few variants, ftiles:rtiles:ahead:max_registers:stages, comma-separated")
+                        help="more qmma_few variants, ftiles:rtiles:max_registers:stages, comma-separated")
     args = parser.parse_args()
     import cupy as cp
     from numba import cuda
@@ -95,7 +95,7 @@ def main() -> None:
     print(f"{'shape':8} {'rows':>5} {'qdot us':>9} {'qmma us':>9} {'x':>6} {'TB/s':>6} {'Tops':>6} bits  "
           + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.unroll} us" for v in extra)
           + f"  {'few us':>8} {'few x':>6} {'TB/s':>6} bits  "
-          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.ahead}:{v.max_registers}:{v.stages}" for v in few_extra))
+          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.max_registers}:{v.stages}" for v in few_extra))
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
         copies, nbytes = weight_copies(cp, "q4", out_f, in_f)
@@ -120,7 +120,7 @@ def main() -> None:
             if qmma_few.supports("q4", rows, in_f, 64):
                 few_times, few_same = [], True
                 for fv in [None, *few_extra]:
-                    if fv is not None and not qmma_few.fits(fv, in_f // 64):
+                    if fv is not None and not qmma_few.fits(fv):
                         few_times.append(float("nan"))
                         continue
                     out = cp.full((rows, out_f), np.nan, cp.float32)

@@ -9,7 +9,7 @@ heads, head_dim 128, bf16 KV) at 72 and 2048 keys, each launched a few times.
 With --few-rows N (N int8-x rows, 27B gate|up shape 34816 x 5120): instead, qdot's launch of N
 rows and qmma's (each of --qmma-variants, ftiles:rtiles:unroll), each a few times: the
 few-row matmul that 8-stream decode and verify rounds wait on (docs/KERNELS.md), and
-qmma_few's (each of --few-variants, ftiles:rtiles:ahead:max_registers).
+qmma_few's (each of --few-variants, ftiles:rtiles:max_registers:stages).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--few-rows", type=int, default=0)
     parser.add_argument("--qmma-variants", default="2:2:2,2:1:2,1:1:4")
-    parser.add_argument("--few-variants", default="1:1:2:0", help="qmma_few's, ftiles:rtiles:ahead:max_registers")
+    parser.add_argument("--few-variants", default="1:1:0:3", help="qmma_few's, ftiles:rtiles:max_registers:stages")
     args = parser.parse_args()
     if args.few_rows:
         few_rows(args.few_rows, args.qmma_variants, args.few_variants)

@@ -102,7 +102,7 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
 
 def _few_mma_aligned(xq, xs, scales, biases, group_size) -> bool:
     # Its 16-byte loads of x and x scales, and the ring's copies of scale pieces
-    piece = _qf.piece_bytes(group_size) if _qf.STAGES else 4
+    piece = _qf.piece_bytes(group_size)
     return (_address(xq) % 16 == 0 and _address(xs) % 16 == 0 and xq.strides[0] % 16 == 0
             and xs.strides[0] % 16 == 0 and all(_address(a) % piece == 0 and a.strides[1] % piece == 0
                                                  for a in (scales, biases)))
@@ -119,7 +119,7 @@ def _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, gr
                          "and scale rows aligned to its copies")
     variant = _qf.plan(rows)
     grid, block = _qf.launch_shape(rows, out.shape[1], variant, epilogue)
-    kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, in_features // group_size, epilogue)
+    kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, epilogue)
     _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)
 
 

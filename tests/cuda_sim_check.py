@@ -237,20 +237,19 @@ def _check_tensor_core_matmul(rng: np.random.Generator) -> None:
 
 def _check_few_rows_tensor_core_matmul(rng: np.random.Generator) -> None:
     """The few-rows tensor-core path (cuda_kernels/qmma_few.py, mma and shuffles emulated)
-    gives qdot's bits for every epilogue: chunk counts that leave warps and chains without a
-    last step (34 chunks: 2 past a whole step), groups of 1, 2 and 4 chunks, partial feature
-    blocks, 1 to 11 rows (11: two row blocks); the register-prefetch kernel and the cp.async
-    ring's (whole 4-chunk sets: 36 and 44 chunks leave warps without a last step)."""
+    gives qdot's bits for every epilogue: chunk counts that leave warps without a last step
+    (36 and 44 chunks: 4 and 12 past a whole step), groups of 1, 2 and 4 chunks, partial
+    feature blocks, 1 to 11 rows (11: two row blocks); also a 2-step ring with 16 rows a
+    block."""
     from cuda_kernels import qmma_few as qf
 
-    stages = qf.STAGES
+    _check_few_rows_cases(rng, ((1152, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"),
+                                (1408, 128, 16, 1, "add")))
     try:
-        for qf.STAGES, cases in ((0, ((1088, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"))),
-                                 (3, ((1152, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"),
-                                      (1408, 128, 16, 1, "add")))):
-            _check_few_rows_cases(rng, cases)
+        qf.VARIANT = qf.FewVariant(1, 2, stages=2)
+        _check_few_rows_cases(rng, ((1152, 64, 19, 13, "store"),))
     finally:
-        qf.STAGES = stages
+        qf.VARIANT = None
     assert not qf.supports("q8", 3, 1024, 64) and not qf.supports("q4", 17, 1024, 64)
     assert not qf.supports("q4", 3, 1088, 64)  # the cp.async ring: whole 4-chunk sets
     assert qf.MIN_ROWS == 5 and qf.TAKE_MAX == 8  # routed where measured faster (H100)
@@ -274,7 +273,7 @@ def _check_few_rows_cases(rng: np.random.Generator, cases) -> None:
             outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
             launch.matmul("q4", x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
                           epilogue=epilogue)
-        assert np.array_equal(outs["few"], outs["mma_few"]), (qf.STAGES, in_f, gs, epilogue)
+        assert np.array_equal(outs["few"], outs["mma_few"]), (qf.plan(rows), in_f, gs, epilogue)
         if epilogue == "store":
             assert rel_err(outs["mma_few"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, in_f
 
