@@ -74,9 +74,11 @@ def matmul(kind, x, w, scales, biases, group_size, expert_ids, out, stream=None,
         if not x_ready:
             xq, xs = _quantize(kind, x, xq, xs, stream)
         in_features = w.shape[2] * _mm.PER_WORD[kind]
+        if path == "mma_few":
+            _check_few_mma(kind, xq, xs, w, scales, biases, group_size, grouped)
         if path == "mma_few" or (auto and not grouped and _qf.takes(kind, rows, in_features, group_size)
                                  and _few_mma_aligned(xq, xs, scales, biases, group_size)):
-            _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue)
+            _matmul_few_mma(xq, xs, w, scales, biases, group_size, out, stream, epilogue)
             return
         if path == "mma" or (path == "many" and not grouped and _qm.takes(rows, in_features, out_features)):
             if grouped:  # the tensor cores, qdot's bits (cuda_kernels/qmma.py)
@@ -108,8 +110,8 @@ def _few_mma_aligned(xq, xs, scales, biases, group_size) -> bool:
                                                  for a in (scales, biases)))
 
 
-def _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, grouped, epilogue) -> None:
-    # A few rows on the tensor cores (cuda_kernels/qmma_few.py), qdot's bits.
+def _check_few_mma(kind, xq, xs, w, scales, biases, group_size, grouped) -> None:
+    # What an explicit path='mma_few' needs (the automatic route asks takes() and alignment)
     rows, in_features = xq.shape
     if grouped or not _qf.supports(kind, rows, in_features, group_size) or w.shape[0] != 1:
         raise ValueError(f"matmul: the few-rows tensor-core path takes 1..{_qf.MAX_ROWS} ungrouped rows of "
@@ -117,6 +119,11 @@ def _matmul_few_mma(kind, xq, xs, w, scales, biases, group_size, out, stream, gr
     if not _few_mma_aligned(xq, xs, scales, biases, group_size):
         raise ValueError("matmul: the few-rows tensor-core path needs 16-byte aligned int8 x and x scales, "
                          "and scale rows aligned to its copies")
+
+
+def _matmul_few_mma(xq, xs, w, scales, biases, group_size, out, stream, epilogue) -> None:
+    # A few rows on the tensor cores (cuda_kernels/qmma_few.py), qdot's bits.
+    rows = xq.shape[0]
     variant = _qf.plan(rows)
     grid, block = _qf.launch_shape(rows, out.shape[1], variant, epilogue)
     kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, epilogue)

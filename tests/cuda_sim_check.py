@@ -252,10 +252,31 @@ def _check_few_rows_tensor_core_matmul(rng: np.random.Generator) -> None:
         qf.VARIANT = None
     assert not qf.supports("q8", 3, 1024, 64) and not qf.supports("q4", 17, 1024, 64)
     assert not qf.supports("q4", 3, 1088, 64)  # the cp.async ring: whole 4-chunk sets
+    _check_few_rows_refusals(rng)
     assert qf.MIN_ROWS == 5 and qf.TAKE_MAX == 8  # routed where measured faster (H100)
     assert qf.takes("q4", 8, 5120, 64) and qf.takes("q4", 5, 17408, 64)
     assert not qf.takes("q4", 4, 5120, 64) and not qf.takes("q4", 9, 5120, 64)
     assert not qf.takes("q8", 8, 5120, 64) and not qf.takes("q4", 8, 1088, 64)
+
+
+def _check_few_rows_refusals(rng: np.random.Generator) -> None:
+    """An explicit path='mma_few' it cannot take is refused with a clear error: a K that is
+    not whole 4-chunk sets, and x scales off their 16-byte alignment."""
+    from cuda_kernels import launch
+
+    codes, scales, biases, _ = affine_weight(rng, 1, 16, 1088, 4, 64)
+    x = rng.standard_normal((3, 1088)).astype(np.float32)
+    out = np.full((3, 16), np.nan, np.float32)
+    for xq, xs in ((None, None), (np.zeros((3, 1152), np.int8), np.zeros((3, 73), np.float32)[:, 1:])):
+        w = (codes, scales, biases) if xq is None else affine_weight(rng, 1, 16, 1152, 4, 64)[:3]
+        try:
+            launch.matmul("q4", x if xq is None else None, *w, 64, np.zeros(1, np.int32),
+                          out if xq is None else np.zeros((3, 16), np.float32), path="mma_few",
+                          xq=xq, xs=xs, x_ready=xq is not None)
+        except ValueError as exc:
+            assert "few-rows tensor-core path" in str(exc), exc
+        else:
+            raise AssertionError("path='mma_few' took a launch it cannot run")
 
 
 def _check_few_rows_cases(rng: np.random.Generator, cases) -> None:
