@@ -430,11 +430,17 @@ def main() -> None:
     parser.add_argument("--qmma-few-rows", default=None, metavar="LO:HI",
                         help="q4 launches of LO..HI rows on the few-rows tensor-core kernel "
                         "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default off)")
+    parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES:XRING",
+                        help="the few-rows kernel's variant (cuda_kernels/qmma_few.py VARIANT)")
     args = parser.parse_args()
     if args.qmma_few_rows is not None:
         from cuda_kernels import qmma_few
 
         qmma_few.MIN_ROWS, qmma_few.TAKE_MAX = map(int, args.qmma_few_rows.split(":"))
+    if args.qmma_few_variant is not None:
+        from cuda_kernels import qmma_few
+
+        qmma_few.VARIANT = qmma_few.FewVariant(*map(int, args.qmma_few_variant.split(":")))
     if args.qmma_wide_rows is not None:
         from cuda_kernels import qmma
 
