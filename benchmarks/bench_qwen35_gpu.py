@@ -432,7 +432,14 @@ def main() -> None:
                         "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default off)")
     parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES:XRING",
                         help="the few-rows kernel's variant (cuda_kernels/qmma_few.py VARIANT)")
+    parser.add_argument("--mtp-pending-rows", type=int, default=None,
+                        help="MTP slots a stream keeps unwritten until its ring is read "
+                        "(tf_async/engine/drafters/mtp.py PENDING_ROWS; 0: every round writes)")
     args = parser.parse_args()
+    if args.mtp_pending_rows is not None:
+        from tf_async.engine.drafters import mtp
+
+        mtp.PENDING_ROWS = args.mtp_pending_rows
     if args.qmma_few_rows is not None:
         from cuda_kernels import qmma_few
 

@@ -221,6 +221,68 @@ async def test_mtp_proposals_equal_drafts_from_scratch(hybrids, plain):
     spy.check_proposals()
 
 
+class RingSnapshots:
+    """Wraps the engine's MTP drafter: the stream's ring (host copy) after every proposal, and
+    the head's slot writes (calls, rows)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rings: list[tuple[int, tuple[int, ...], np.ndarray]] = []
+        self.writes: list[int] = []
+        head, write = inner.head, inner.head.write_slots
+
+        def counted(token_ids, *args, **kw):
+            self.writes.append(len(token_ids))
+            return write(token_ids, *args, **kw)
+
+        head.write_slots = counted
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, seq, limit: int) -> tuple[int, ...]:
+        drafts = self.inner.propose(seq, limit)
+        ctx = self.inner.contexts.get(seq)
+        if drafts and ctx is not None:
+            ring = np.array(self.inner.ops.to_host(ctx.views.ring), copy=True)
+            self.rings.append((seq.num_tokens, drafts, ring))
+        return drafts
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+async def test_mtp_slots_wait_while_drafts_pause_and_the_ring_is_the_same(hybrids, plain,
+                                                                         monkeypatch, prefix_cache):
+    """While a stream's drafts are paused (draft pacing) its MTP slots wait in the area's
+    pending rows and are written in one call when the ring is next read (with a prefix cache:
+    also at each page's last slot): far fewer writes than rounds, and after every proposal the
+    ring and the proposal are bit for bit those of slot-by-slot writes (PENDING_ROWS 0)."""
+    from tf_async.engine.drafters import mtp
+
+    name, max_tokens, rows = "moe-mlx4", 40, mtp.PENDING_ROWS
+    runs = {}
+    for pending in (rows, 0):
+        monkeypatch.setattr(mtp, "PENDING_ROWS", pending)
+        async with engine(hybrids[name], parallel=1, drafter="mtp", draft_tokens=3,
+                          prefix_cache=prefix_cache) as eng:
+            spy = RingSnapshots(eng.parts.scheduler.drafter)
+            eng.parts.scheduler.drafter = spy
+            got = [(await eng.complete(p, max_tokens=max_tokens)).token_ids for p in PROMPTS[:3]]
+            stats = await idle_stats(eng)
+        runs[pending] = (got, spy.rings, spy.writes, stats)
+    (got, rings, writes, stats), (got0, rings0, writes0, _) = runs[rows], runs[0]
+    assert got == got0
+    assert stats["draft_paused_rounds"] > 20
+    assert len(rings) == len(rings0) > 3
+    for (n, drafts, ring), (n0, drafts0, ring0) in zip(rings, rings0, strict=True):
+        assert (n, drafts) == (n0, drafts0)
+        assert np.array_equal(ring.view(np.uint8), ring0.view(np.uint8)), n
+    # every slot written once, in fewer calls; a stream's last pending ones (after its last
+    # proposal, within its last page with a prefix cache) are never read, so never written
+    assert 0 <= sum(writes0) - sum(writes) < 3 * (4 if prefix_cache else rows)
+    assert len(writes) < len(writes0) // (2 if prefix_cache else 4)
+    assert max(writes) > (3 if prefix_cache else 8)
+
+
 # ---- cancels, failures, fp8 -----------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["mtp", "ngram"])
 async def test_cancels_mid_draft_leave_others_equal_to_plain(hybrids, plain, spec):

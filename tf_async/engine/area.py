@@ -4,9 +4,13 @@ One region is allocated with the arena at engine start; a lane's run takes one c
 area from it when its drafter opens and gives it back on release. `AreaPool` holds integers
 only (byte offsets, like pages.py); `area_views` turns an offset into array views.
 
-    area:  | ring: capacity rows of K and V, every drafter layer | pad to 256 B | state f32 [H] |
-           ^ offset                                                 ^ state_offset      area end ^
+    area:  | ring: capacity rows of K and V, every drafter layer | pad to 256 B | pending f32
+           [pending_rows, H] | state f32 [H] |
+           ^ offset                                     ^ pending_offset  ^ state_offset   area end ^
     ring row of position p: p % capacity
+
+`pending` (MTP only, else no rows): hidden rows of slots whose K/V are not yet in the ring
+(written in one call when the ring is next read, engine/drafters/mtp.py).
 """
 
 from __future__ import annotations
@@ -38,12 +42,14 @@ class AreaLayout:
     hidden_size: int
     capacity: int  # ring rows
     kv_dtype: str
+    pending_rows: int = 0  # hidden rows of slots not yet written to the ring (MTP)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, capacity: int, kv_dtype: str,
-                  num_layers: int | None = None) -> AreaLayout:
+                  num_layers: int | None = None, pending_rows: int = 0) -> AreaLayout:
         layers = cfg.num_layers if num_layers is None else num_layers
-        return cls(layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, capacity, kv_dtype)
+        return cls(layers, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, capacity, kv_dtype,
+                   pending_rows)
 
     @property
     def ring_shape(self) -> tuple[int, int, int, int, int]:
@@ -55,8 +61,16 @@ class AreaLayout:
         return int(np.prod(self.ring_shape)) * KV_ITEMSIZE[self.kv_dtype]
 
     @property
-    def state_offset(self) -> int:
+    def pending_offset(self) -> int:
         return align_up(self.ring_bytes)
+
+    @property
+    def pending_bytes(self) -> int:
+        return 4 * self.hidden_size * self.pending_rows
+
+    @property
+    def state_offset(self) -> int:
+        return self.pending_offset + self.pending_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -73,6 +87,7 @@ class AreaViews:
     ring: Any  # [layers, 2, capacity, kv_heads, head_dim] of the KV dtype
     state: Any  # [H] float32: the newest row's hidden state
     borrowed: bool  # True: views into the arena's region (never pooled)
+    pending: Any = None  # [pending_rows, H] float32 (None without pending rows)
 
 
 class AreaPool:
@@ -137,18 +152,26 @@ def area_views(region: Any, offset: int, layout: AreaLayout) -> AreaViews:
     if isinstance(region, ShardedRegion):
         views = [area_views(part, offset, layout) for part in region.ranks]
         return AreaViews(ShardedKV(tuple(v.ring for v in views), region.comm), views[0].state,
-                         borrowed=True)
+                         borrowed=True, pending=views[0].pending)
     ring_bytes = region[offset: offset + layout.ring_bytes]
     ring = ring_bytes.view(KV_NP_DTYPE[layout.kv_dtype]).reshape(layout.ring_shape)
     start = offset + layout.state_offset
     state = region[start: start + layout.state_bytes].view(np.float32)
-    return AreaViews(ring, state, borrowed=True)
+    pending = None
+    if layout.pending_rows:
+        start = offset + layout.pending_offset
+        pending = region[start: start + layout.pending_bytes].view(np.float32).reshape(
+            layout.pending_rows, layout.hidden_size)
+    return AreaViews(ring, state, borrowed=True, pending=pending)
 
 
 def owned_views(xp: Any, layout: AreaLayout) -> AreaViews:
     """Fallback: buffers of the same layout that the context owns (outside the arena)."""
     ring = xp.zeros(layout.ring_shape, dtype=KV_NP_DTYPE[layout.kv_dtype])
-    return AreaViews(ring, xp.zeros(layout.hidden_size, dtype=np.float32), borrowed=False)
+    pending = (xp.zeros((layout.pending_rows, layout.hidden_size), dtype=np.float32)
+               if layout.pending_rows else None)
+    return AreaViews(ring, xp.zeros(layout.hidden_size, dtype=np.float32), borrowed=False,
+                     pending=pending)
 
 
 # ---- per-lane memory report ---------------------------------------------------------------

@@ -30,6 +30,7 @@ class DraftContext:
     num_fed: int = 0  # drafts whose ring rows were written in the last propose
     has_state: bool = False  # views.state holds the hidden of position num_valid (MTP)
     num_kept: int = 0  # MTP with a prefix cache: slots of positions < num_kept are on pages
+    num_pending: int = 0  # MTP: slots [num_valid - num_pending, num_valid) not yet in the ring
 
     @property
     def borrowed(self) -> bool:
@@ -39,7 +40,7 @@ class DraftContext:
         self.lane, self.request_id = lane, request_id
         self.num_valid = self.base_pos = self.num_fed = 0
         self.has_state = False
-        self.num_kept = 0
+        self.num_kept = self.num_pending = 0
 
 
 class DraftContexts:

@@ -12,6 +12,13 @@ the committed rows from the target's hidden rows (the runner returns every row's
 the ring never holds a rejected draft's slot. `propose` runs the pending slot, then one slot a
 draft (d_i, the previous step's normed output); drafts are chosen with the stream's own
 sampling at their positions, so a draft is accepted when it is what the target emits.
+
+Slots are written lazily: `absorb` keeps the newest slots' hidden rows in the area's
+`pending` rows (a device copy) and writes them to the ring in one call only when the ring is
+next read (`propose`), when the rows are full, or (with a prefix cache) when a page's last
+slot is among them, so the page is kept complete as soon as before. While a stream's drafts
+are paused (draft pacing) a round therefore costs no MTP launch; a slot's K/V depend on its
+own row only, so the ring's bits are those of slot-by-slot writes.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class MtpDrafter(ContextDrafter):
         ctx.num_valid = -1
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
+        self._flush(ctx, seq)  # the ring is read from here on
         if self.choose.chooses_on_device(seq):
             return self._draft_on_device(ctx, seq, limit)
         assert ctx.views is not None
@@ -125,13 +133,58 @@ class MtpDrafter(ContextDrafter):
             return
         if hi > lo:
             rows_h = hidden[first - start_pos: hi - start_pos]
-            if ctx.has_state:
-                rows_h = self.ops.xp.concatenate([ctx.views.state[None], rows_h])
-            self.head.write_slots(list(seq.token_slice(lo + 1, hi + 1)), lo, rows_h,
-                                  ctx.views.ring, self.kv_scales)
+            if not self._defer(ctx, rows_h, hi - lo):
+                self._flush(ctx, seq)
+                if ctx.has_state:
+                    rows_h = self.ops.xp.concatenate([ctx.views.state[None], rows_h])
+                self.head.write_slots(list(seq.token_slice(lo + 1, hi + 1)), lo, rows_h,
+                                      ctx.views.ring, self.kv_scales)
         ctx.views.state[...] = hidden[hi - start_pos]
         ctx.num_valid, ctx.has_state = hi, True
+        if self._must_flush(ctx):
+            self._flush(ctx, seq)
         self._keep(ctx, seq, hidden, start_pos, valid_end)
+
+    def _defer(self, ctx: DraftContext, rows_h: Array, count: int) -> bool:
+        """Slots [num_valid, num_valid + count) into the pending rows (their hidden rows: the
+        state, if any, then rows_h), if they fit; False (nothing done) if not."""
+        assert ctx.views is not None
+        pending = ctx.views.pending
+        if pending is None or ctx.num_pending + count > pending.shape[0]:
+            return False
+        at = ctx.num_pending
+        if ctx.has_state:
+            pending[at] = ctx.views.state
+            at += 1
+        if at < ctx.num_pending + count:
+            pending[at: ctx.num_pending + count] = rows_h
+        ctx.num_pending += count
+        return True
+
+    def _must_flush(self, ctx: DraftContext) -> bool:
+        """Pending rows full, or (with a prefix cache) a page's last slot among them: slot s
+        is position s + 1's, the page complete once its last position's slot is kept."""
+        assert ctx.views is not None
+        if not ctx.num_pending:
+            return False
+        if ctx.views.pending is None or ctx.num_pending >= ctx.views.pending.shape[0]:
+            return True
+        if self.page_slots is None:
+            return False
+        size = self.page_slots.page_size
+        first_pos, last_pos = ctx.num_valid - ctx.num_pending + 1, ctx.num_valid
+        return (last_pos + 1) // size > first_pos // size  # a position size - 1 mod size
+
+    def _flush(self, ctx: DraftContext, seq: Sequence) -> None:
+        """The pending slots' K/V into the ring, in one call."""
+        assert ctx.views is not None
+        count = ctx.num_pending
+        if not count:
+            return
+        first = ctx.num_valid - count
+        ctx.num_pending = 0
+        self.head.write_slots(list(seq.token_slice(first + 1, first + count + 1)), first,
+                              ctx.views.pending[:count], ctx.views.ring, self.kv_scales)
 
     def _rebuild(self, ctx: DraftContext, seq: Sequence, start_pos: int) -> None:
         """The ring's slots of a reused prefix [0, start_pos), copied from its cached pages."""
@@ -141,6 +194,7 @@ class MtpDrafter(ContextDrafter):
             return  # _sync then finds the gap and this stream decodes without drafts
         slots.copy_to_ring(seq, ctx.views.ring, ctx.views.state, start_pos)
         ctx.num_valid, ctx.has_state, ctx.num_kept = start_pos - 1, True, start_pos
+        ctx.num_pending = 0
 
     def _keep(self, ctx: DraftContext, seq: Sequence, hidden: Array, start_pos: int,
               valid_end: int) -> None:
@@ -148,10 +202,11 @@ class MtpDrafter(ContextDrafter):
         if self.page_slots is None or ctx.views is None:
             return
         capacity = int(ctx.views.ring.shape[2])  # slots older than that are gone from the ring
-        first = max(ctx.num_kept, ctx.num_valid - capacity + 1, 1)
-        self.page_slots.keep(seq, ctx.views.ring, first, ctx.num_valid + 1)
+        written = ctx.num_valid - ctx.num_pending  # slots [0, written) are in the ring
+        first = max(ctx.num_kept, written - capacity + 1, 1)
+        self.page_slots.keep(seq, ctx.views.ring, first, written + 1)
         self.page_slots.keep_hidden(seq, hidden, start_pos, valid_end)
-        ctx.num_kept = ctx.num_valid + 1
+        ctx.num_kept = max(ctx.num_kept, written + 1)
 
 
 def ready(ctx: DraftContext, seq: Sequence) -> bool:
@@ -166,9 +221,14 @@ def find_mtp_head(ckpt: Checkpoint) -> MtpWeights | None:
     return ckpt.weights.mtp if isinstance(ckpt.weights, HybridWeights) else None
 
 
+PENDING_ROWS = 32  # slots a context keeps unwritten at most (MtpDrafter._defer)
+
+
 def mtp_layout(ckpt: Checkpoint, capacity: int, kv_dtype: str) -> AreaLayout:
-    """One attention layer of the target's K/V shape, plus the target's hidden size."""
-    return AreaLayout.for_model(ckpt.config, capacity, kv_dtype, num_layers=1)
+    """One attention layer of the target's K/V shape, plus the target's hidden size and the
+    pending slots' hidden rows (no more than the ring holds: a flush writes each row once)."""
+    return AreaLayout.for_model(ckpt.config, capacity, kv_dtype, num_layers=1,
+                                pending_rows=min(PENDING_ROWS, capacity))
 
 
 def require_mtp_head(ckpt: Checkpoint) -> MtpWeights:
