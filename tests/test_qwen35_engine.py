@@ -249,13 +249,15 @@ class RingSnapshots:
         return drafts
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize(("prefix_cache", "pad"), [(True, False), (False, False), (False, True)])
 async def test_mtp_slots_wait_while_drafts_pause_and_the_ring_is_the_same(hybrids, plain,
-                                                                         monkeypatch, prefix_cache):
+                                                                         monkeypatch, prefix_cache,
+                                                                         pad):
     """While a stream's drafts are paused (draft pacing) its MTP slots wait in the area's
     pending rows and are written in one call when the ring is next read (with a prefix cache:
     also at each page's last slot): far fewer writes than rounds, and after every proposal the
-    ring and the proposal are bit for bit those of slot-by-slot writes (PENDING_ROWS 0)."""
+    ring and the proposal are bit for bit those of slot-by-slot writes (PENDING_ROWS 0). pad:
+    the writes padded to a power of two rows (as on CUDA, where graphs replay them)."""
     from tf_async.engine.drafters import mtp
 
     name, max_tokens, rows = "moe-mlx4", 40, mtp.PENDING_ROWS
@@ -265,6 +267,7 @@ async def test_mtp_slots_wait_while_drafts_pause_and_the_ring_is_the_same(hybrid
         async with engine(hybrids[name], parallel=1, drafter="mtp", draft_tokens=3,
                           prefix_cache=prefix_cache) as eng:
             spy = RingSnapshots(eng.parts.scheduler.drafter)
+            spy.inner.head.pad_writes = pad and pending > 0
             eng.parts.scheduler.drafter = spy
             got = [(await eng.complete(p, max_tokens=max_tokens)).token_ids for p in PROMPTS[:3]]
             stats = await idle_stats(eng)

@@ -28,6 +28,9 @@ from .protocol import DecoderProtocol
 from .qwen35 import GatedAttentionWeights, HybridDecoder, HybridWeights, MtpWeights
 
 
+PAD_WRITES_MAX = 64  # slot writes of up to this many rows are padded to a power of two
+
+
 class MtpHead:
     """The checkpoint's MTP layer as a Decoder (models/protocol.py): `forward(batch, ring,
     kv_scales)` with the target's hidden rows in `batch.hidden_in` and its K/V in the
@@ -49,6 +52,9 @@ class MtpHead:
         self._unit_scales = decoder.ops.asarray(np.ones((1, 2), np.float32))
         capture = graph_ops(decoder.ops) if graphs else None
         self.graphs = CallGraphs(capture) if capture is not None else None
+        # small writes padded to a power of two rows (the last slot repeated): a few graph
+        # keys a ring serve every count
+        self.pad_writes = self.graphs is not None
 
     # ---- the Decoder protocol ------------------------------------------------------------
     @property
@@ -145,10 +151,19 @@ class MtpHead:
                     kv_scales: Array) -> None:
         """The K/V of MTP slots first_pos.. into the ring: the part of forward() that later
         slots read (same ops, so the same bits); no FFN and no LM head for committed slots.
-        hidden: [len(token_ids), H]."""
+        hidden: [len(token_ids), H]. With pad_writes, 1..PAD_WRITES_MAX rows are padded to a
+        power of two by repeating the last slot (the same values into the same ring row)."""
         rows = len(token_ids)
         pos = np.arange(first_pos, first_pos + rows, dtype=np.int64)
-        inputs = (np.asarray(token_ids, np.int64), pos, pos % int(ring.shape[2]), hidden)
+        tokens = np.asarray(token_ids, np.int64)
+        padded = 1 << max(0, rows - 1).bit_length()
+        if self.pad_writes and rows < padded <= PAD_WRITES_MAX:
+            extra = padded - rows
+            tokens = np.concatenate([tokens, np.repeat(tokens[-1:], extra)])
+            pos = np.concatenate([pos, np.repeat(pos[-1:], extra)])
+            hidden = self.ops.xp.concatenate([hidden, self.ops.xp.repeat(hidden[-1:], extra, axis=0)])
+            rows = padded
+        inputs = (tokens, pos, pos % int(ring.shape[2]), hidden)
 
         def run(tokens: Array, positions: Array, slots: Array, hidden_in: Array) -> tuple[()]:
             self._slot_kv(tokens, positions, slots, hidden_in, ring, kv_scales)
