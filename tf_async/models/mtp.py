@@ -27,7 +27,6 @@ from .graph_decoder import GraphDecoder
 from .protocol import DecoderProtocol
 from .qwen35 import GatedAttentionWeights, HybridDecoder, HybridWeights, MtpWeights
 
-
 PAD_WRITES_MAX = 64  # slot writes of up to this many rows are padded to a power of two
 
 
