@@ -430,7 +430,7 @@ def main() -> None:
     parser.add_argument("--qmma-few-rows", default=None, metavar="LO:HI",
                         help="q4 launches of LO..HI rows on the few-rows tensor-core kernel "
                         "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default off)")
-    parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES:XRING",
+    parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES",
                         help="the few-rows kernel's variant (cuda_kernels/qmma_few.py VARIANT)")
     parser.add_argument("--mtp-pending-rows", type=int, default=None,
                         help="MTP slots a stream keeps unwritten until its ring is read "
