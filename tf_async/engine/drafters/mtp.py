@@ -185,6 +185,7 @@ class MtpDrafter(ContextDrafter):
         ctx.num_pending = 0
         self.head.write_slots(list(seq.token_slice(first + 1, first + count + 1)), first,
                               ctx.views.pending[:count], ctx.views.ring, self.kv_scales)
+        self._keep_slots(ctx, seq)  # before a proposal's draft steps reuse ring rows
 
     def _rebuild(self, ctx: DraftContext, seq: Sequence, start_pos: int) -> None:
         """The ring's slots of a reused prefix [0, start_pos), copied from its cached pages."""
@@ -201,11 +202,18 @@ class MtpDrafter(ContextDrafter):
         """With a prefix cache: the ring's new committed slots and last hiddens onto the pages."""
         if self.page_slots is None or ctx.views is None:
             return
+        self._keep_slots(ctx, seq)
+        self.page_slots.keep_hidden(seq, hidden, start_pos, valid_end)
+
+    def _keep_slots(self, ctx: DraftContext, seq: Sequence) -> None:
+        """With a prefix cache: the slots the ring got since the last keep, onto the pages
+        (right after the ring got them, as page_slots.py requires)."""
+        if self.page_slots is None or ctx.views is None:
+            return
         capacity = int(ctx.views.ring.shape[2])  # slots older than that are gone from the ring
         written = ctx.num_valid - ctx.num_pending  # slots [0, written) are in the ring
         first = max(ctx.num_kept, written - capacity + 1, 1)
         self.page_slots.keep(seq, ctx.views.ring, first, written + 1)
-        self.page_slots.keep_hidden(seq, hidden, start_pos, valid_end)
         ctx.num_kept = max(ctx.num_kept, written + 1)
 
 
