@@ -137,8 +137,11 @@ class MtpDrafter(ContextDrafter):
                 self._flush(ctx, seq)
                 if ctx.has_state:
                     rows_h = self.ops.xp.concatenate([ctx.views.state[None], rows_h])
-                self.head.write_slots(list(seq.token_slice(lo + 1, hi + 1)), lo, rows_h,
-                                      ctx.views.ring, self.kv_scales)
+                # only the newest `capacity` slots: older ones would share their ring rows
+                # with newer ones in this one write (which lands first is not defined)
+                skip = max(0, hi - lo - int(ctx.views.ring.shape[2]))
+                self.head.write_slots(list(seq.token_slice(lo + 1 + skip, hi + 1)), lo + skip,
+                                      rows_h[skip:], ctx.views.ring, self.kv_scales)
         ctx.views.state[...] = hidden[hi - start_pos]
         ctx.num_valid, ctx.has_state = hi, True
         if self._must_flush(ctx):
