@@ -167,10 +167,10 @@ class MtpDrafter(ContextDrafter):
     def _must_flush(self, ctx: DraftContext) -> bool:
         """Pending rows full, or (with a prefix cache) a page's last slot among them: slot s
         is position s + 1's, the page complete once its last position's slot is kept."""
-        assert ctx.views is not None
-        if not ctx.num_pending:
+        if not ctx.num_pending:  # always so without pending rows
             return False
-        if ctx.views.pending is None or ctx.num_pending >= ctx.views.pending.shape[0]:
+        assert ctx.views is not None and ctx.views.pending is not None
+        if ctx.num_pending >= ctx.views.pending.shape[0]:
             return True
         if self.page_slots is None:
             return False
