@@ -132,3 +132,46 @@ async def test_an_mtp_ring_is_rebuilt_when_a_hybrid_resumes_mid_prompt(hybrid) -
     assert resumed[1][1] >= 24 and stats["prefix_states_resumed"] > 0
     # (how many tokens a stream drafts may differ: resumed, its prompt is cut elsewhere, and
     # whether its last prompt token runs as a decode row with drafts depends on the cuts)
+
+
+# ---- a ring shorter than the streams ----------------------------------------------------------
+def _record_spans(kind: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(last position a drafter call attends, its ring's rows) of every call that reads it."""
+    from tf_async.engine.drafters.model import ModelDrafter
+    from tf_async.models.mtp import MtpHead
+
+    spans: list[tuple[int, int]] = []
+    if kind == "mtp":
+        rows = MtpHead.rows
+
+        def spy_rows(self: MtpHead, token_ids: Any, positions: Any, hidden: Any, ring: Any,
+                     *args: Any) -> Any:
+            spans.append((int(max(positions)), int(ring.shape[2])))
+            return rows(self, token_ids, positions, hidden, ring, *args)
+
+        monkeypatch.setattr(MtpHead, "rows", spy_rows)
+    else:
+        forward = ModelDrafter._forward
+
+        def spy_forward(self: ModelDrafter, ctx: Any, tokens_in: list[int], start_pos: int) -> Any:
+            spans.append((start_pos + len(tokens_in) - 1, int(ctx.views.ring.shape[2])))
+            return forward(self, ctx, tokens_in, start_pos)
+
+        monkeypatch.setattr(ModelDrafter, "_forward", spy_forward)
+    return spans
+
+
+@pytest.mark.parametrize("kind", ["draft", "mtp"])
+async def test_drafts_end_where_a_shorter_ring_does(tiny_llama, hybrid, kind, monkeypatch) -> None:
+    """--draft-ring shorter than the streams: a proposal never attends a position whose ring
+    row a later position wrote (drafts stop once the stream passes the ring), so resumed
+    streams propose as fresh ones (outputs equal plain's either way: the gates)."""
+    ckpt, spec = _drafters(tiny_llama, hybrid)[kind]
+    spans = _record_spans(kind, monkeypatch)
+    ring = 30  # the chat's first prompt (28 tokens) drafts; the later turns pass the ring
+    resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
+        ckpt, {**OPTIONS, "drafter": spec, "draft_ring": ring},
+        lambda eng: chat(eng, 3, "greedy", seed=3))
+    _assert_same_drafting(resumed, fresh, seen, fresh_seen)
+    assert spans and all(last < rows == ring for last, rows in spans), spans
+    assert resumed[0][2] > 0 and resumed[-1][2] == 0  # drafts while the stream fits, not after

@@ -87,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a lane; more get HTTP 429")
     parser.add_argument("--draft-ring", type=int, default=None,
-                        help="ring rows of a drafter's context (default: --ctx)")
+                        help="ring rows of a drafter's context (default: --ctx); draft:PATH and mtp "
+                        "draft while a stream fits in it, dflash keeps its windows there")
     parser.add_argument("--draft-areas", type=int, default=None,
                         help="drafter areas in the arena (default: one a lane; env TF_DRAFT_AREAS)")
     parser.add_argument("--ngram-min", type=int, default=2,

@@ -43,6 +43,13 @@ class DraftContext:
         self.num_kept = self.num_pending = 0
 
 
+def room_in_ring(ctx: DraftContext, first_pos: int) -> int:
+    """Positions from first_pos on that a call may attend with every position before them in
+    its own ring row (the ring holds positions [0, capacity) unwrapped)."""
+    assert ctx.views is not None
+    return int(ctx.views.ring.shape[2]) - first_pos
+
+
 class DraftContexts:
     """Open contexts by lane; areas from the arena region; a pool of owned fallbacks."""
 

@@ -4,6 +4,9 @@ It runs its own Decoder on the target's Ops; its K/V rows live in the context's 
 (row of position p at p % capacity), read through the ordinary paged kernels with one page
 of `capacity` rows. Drafts are chosen with the stream's own sampling (greedy, or the seeded
 sample drawn from (seed, position)), so the target as its own drafter accepts every draft.
+A proposal attends positions [0, num_tokens + k - 1), all inside the ring: with a smaller
+`--draft-ring` than the stream, drafts end where the ring does (no position is read from a
+row that a later position wrote).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..area import AreaLayout
 from ..calibrate import kv_scales_for
 from ..drafting import count_accepted
 from .base import ContextDrafter
-from .contexts import DraftContext, DraftContexts, make_contexts
+from .contexts import DraftContext, DraftContexts, make_contexts, room_in_ring
 
 if TYPE_CHECKING:
     from ...models.checkpoint import Checkpoint
@@ -50,8 +53,12 @@ class ModelDrafter(ContextDrafter):
     def _reset(self, ctx: DraftContext) -> None:
         ctx.num_valid = ctx.num_fed = 0
 
+    def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
+        return room_in_ring(ctx, seq.num_tokens - 1) > 0
+
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         num_tokens = seq.num_tokens
+        limit = min(limit, room_in_ring(ctx, num_tokens - 1))  # last row: num_tokens + limit - 2
         start = min(ctx.num_valid, num_tokens - 1)
         logits = self._forward(ctx, seq.token_slice(start, num_tokens), start)
         ctx.num_valid = ctx.base_pos = num_tokens

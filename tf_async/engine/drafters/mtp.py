@@ -12,6 +12,9 @@ the committed rows from the target's hidden rows (the runner returns every row's
 the ring never holds a rejected draft's slot. `propose` runs the pending slot, then one slot a
 draft (d_i, the previous step's normed output); drafts are chosen with the stream's own
 sampling at their positions, so a draft is accepted when it is what the target emits.
+A proposal's steps attend slots [0, num_valid + step]; they stay inside the ring (a smaller
+`--draft-ring` than the stream: drafts end where the ring does, and the stream decodes on
+without them), so no slot is read from a row that a later slot or a draft wrote.
 
 Slots are written lazily: `absorb` keeps the newest slots' hidden rows in the area's
 `pending` rows (a device copy) and writes them to the ring in one call only when the ring is
@@ -36,7 +39,13 @@ from ..area import KV_NP_DTYPE, AreaLayout
 from ..calibrate import CALIBRATION_TEXT, E4M3_MAX, HEADROOM
 from ..drafting import count_accepted
 from .base import ContextDrafter, until_stop
-from .contexts import DraftContext, DraftContexts, make_contexts, sync_or_stop_drafting
+from .contexts import (
+    DraftContext,
+    DraftContexts,
+    make_contexts,
+    room_in_ring,
+    sync_or_stop_drafting,
+)
 from .page_slots import PageSlots, make_page_slots
 
 if TYPE_CHECKING:
@@ -59,13 +68,14 @@ class MtpDrafter(ContextDrafter):
         self.page_slots: PageSlots | None = None  # with a prefix cache (make_mtp_drafter)
 
     def _ready(self, ctx: DraftContext, seq: Sequence) -> bool:
-        return ready(ctx, seq)
+        return ready(ctx, seq) and room_in_ring(ctx, ctx.num_valid) > 0
 
     def _reset(self, ctx: DraftContext) -> None:
         ctx.num_valid = -1
 
     def _draft(self, ctx: DraftContext, seq: Sequence, limit: int) -> tuple[int, ...]:
         self._flush(ctx, seq)  # the ring is read from here on
+        limit = min(limit, room_in_ring(ctx, ctx.num_valid))
         if self.choose.chooses_on_device(seq):
             return self._draft_on_device(ctx, seq, limit)
         assert ctx.views is not None
