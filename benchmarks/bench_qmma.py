@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
     parser.add_argument("--variants", default="")
     parser.add_argument("--few-variants", default="",
-                        help="more qmma_few variants, ftiles:rtiles:max_registers:stages, comma-separated")
+                        help="more qmma_few variants, ftiles:rtiles:max_registers:stages[:x_ring], comma-separated")
     args = parser.parse_args()
     import cupy as cp
     from numba import cuda
@@ -95,7 +95,7 @@ def main() -> None:
     print(f"{'shape':8} {'rows':>5} {'qdot us':>9} {'qmma us':>9} {'x':>6} {'TB/s':>6} {'Tops':>6} bits  "
           + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.unroll} us" for v in extra)
           + f"  {'few us':>8} {'few x':>6} {'TB/s':>6} bits  "
-          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.max_registers}:{v.stages}" for v in few_extra))
+          + "  ".join(f"{v.ftiles}:{v.rtiles}:{v.max_registers}:{v.stages}:{int(v.x_ring)}" for v in few_extra))
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
         copies, nbytes = weight_copies(cp, "q4", out_f, in_f)

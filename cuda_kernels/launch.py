@@ -124,7 +124,7 @@ def _check_few_mma(kind, xq, xs, w, scales, biases, group_size, grouped) -> None
 def _matmul_few_mma(xq, xs, w, scales, biases, group_size, out, stream, epilogue) -> None:
     # A few rows on the tensor cores (cuda_kernels/qmma_few.py), qdot's bits.
     rows = xq.shape[0]
-    variant = _qf.plan(rows)
+    variant = _qf.plan(rows, group_size // _qd.CHUNK)
     grid, block = _qf.launch_shape(rows, out.shape[1], variant, epilogue)
     kernel = _qf.qmma_few_kernel(variant, group_size // _qd.CHUNK, epilogue)
     _go(kernel, grid, block, stream, xq.view(_np.uint32), xs, w, scales, biases, out)

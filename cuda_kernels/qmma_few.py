@@ -38,7 +38,7 @@ import numpy as np
 
 from cuda_kernels import matmul as mm
 from cuda_kernels import qmma as qm
-from cuda_kernels.env import SIMULATOR, cuda, kernel
+from cuda_kernels.env import SIMULATOR, cuda, float_as_int, kernel
 
 WARPS = 8  # warp w holds partials 4w .. 4w + 3
 THREADS = 32 * WARPS
@@ -58,8 +58,9 @@ class FewVariant:
 
     ftiles: int  # 16-feature tiles a block
     rtiles: int  # 8-row tiles a block
-    max_registers: int = 0  # a cap for the compiler (0: none): 64 lets 4 blocks share an SM
-    stages: int = 3  # steps of weights and scale pieces in the cp.async ring (2 or more)
+    max_registers: int = 0  # a cap for the compiler (0: none)
+    stages: int = 3  # steps in the cp.async ring (2 or more)
+    x_ring: bool = False  # the ring carries the block's x and x scales instead of the weights
 
 
 if SIMULATOR:
@@ -97,11 +98,11 @@ else:
 if SIMULATOR:
 
     @cuda.jit(device=True)
-    def _copy_async(ring, row, half, src, words):
+    def _copy_async(ring, row, col, src, words):
         # A synchronous copy: `words` 4-byte words of src (a row view) into ring[row], from
-        # word 2 * half (the simulator has no asynchronous copies).
+        # word col (the simulator has no asynchronous copies).
         for k in range(words):
-            ring[row, 2 * half + k] = mm._ld_u32(src, k)  # the bits (scales are float32)
+            ring[row, col + k] = mm._ld_u32(src, k)  # the bits (scales are float32)
 
     @cuda.jit(device=True)
     def _commit():
@@ -116,38 +117,42 @@ if SIMULATOR:
         return ring[row, 0], ring[row, 1], ring[row, 2], ring[row, 3]
 
     @cuda.jit(device=True)
-    def _ld_ring2(ring, row, half):
-        return ring[row, 2 * half], ring[row, 2 * half + 1]
+    def _ld_ring2(ring, row, col):
+        return ring[row, col], ring[row, col + 1]
 
 else:
-    from numba.cuda import cgutils  # type: ignore[attr-defined]
 
     def _shared_address(context, builder, sig, args):
-        # The shared-window address (u64) of ring[row, 2 * half] (a 2-D uint32 shared array)
+        # The 32-bit shared-window address of ring[row, col] (a C-contiguous (rows, 4) uint32
+        # shared array; row and col 32-bit): the array's base converted once (a pure asm the
+        # compiler hoists), the rest 32-bit integer math.
+        i32, i64 = ir.IntType(32), ir.IntType(64)
         ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-        row = context.cast(builder, args[1], sig.args[1], types.intp)
-        col = builder.mul(context.cast(builder, args[2], sig.args[2], types.intp),
-                          context.get_constant(types.intp, 2))
-        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [row, col])
-        return builder.ptrtoint(ptr, ir.IntType(64))
+        generic = builder.ptrtoint(ary.data, i64)
+        to_shared = ir.InlineAsm(ir.FunctionType(i32, [i64]),
+                                 "{ .reg .u64 t; cvta.to.shared.u64 t, $1; cvt.u32.u64 $0, t; }", "=r,l")
+        base = builder.call(to_shared, [generic])
+        row = context.cast(builder, args[1], sig.args[1], types.uint32)
+        col = context.cast(builder, args[2], sig.args[2], types.uint32)
+        offset = builder.add(builder.mul(row, ir.Constant(i32, 16)), builder.mul(col, ir.Constant(i32, 4)))
+        return builder.add(base, offset)
 
     def _make_copy_async(nbytes: int):
         cache = "cg" if nbytes == 16 else "ca"
 
         @intrinsic
-        def copy_async(typingctx, ring, row, half, src, words):
+        def copy_async(typingctx, ring, row, col, src, words):
             """cp.async of nbytes from global address src (a row reference) into
-            ring[row, 2 * half .. ] (no register holds the data in flight)."""
+            ring[row, col ..] (no register holds the data in flight)."""
             def codegen(context, builder, sig, args):
                 dst = _shared_address(context, builder, sig, args[:3])
-                text = ("{ .reg .u64 s; cvta.to.shared.u64 s, $0; "
-                        f"cp.async.{cache}.shared.global [s], [$1], {nbytes}; }}")
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [dst.type, dst.type]), text, "l,l,~{memory}",
-                                   side_effect=True)
+                text = f"cp.async.{cache}.shared.global [$0], [$1], {nbytes};"
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [dst.type, ir.IntType(64)]), text,
+                                   "r,l,~{memory}", side_effect=True)
                 builder.call(asm, [dst, context.cast(builder, args[3], sig.args[3], types.int64)])
                 return context.get_dummy_value()
 
-            return types.void(ring, row, half, src, words), codegen
+            return types.void(ring, row, col, src, words), codegen
 
         return copy_async
 
@@ -179,22 +184,21 @@ else:
 
     def _make_ld_ring(count: int):
         @intrinsic
-        def ld_ring(typingctx, ring, row, half):
-            """`count` uint32 words of ring[row] from word 2 * half (ld.shared)."""
+        def ld_ring(typingctx, ring, row, col):
+            """`count` uint32 words of ring[row] from word col (ld.shared)."""
             def codegen(context, builder, sig, args):
                 addr = _shared_address(context, builder, sig, args)
                 i32 = ir.IntType(32)
                 regs = ", ".join(f"${n}" for n in range(count))
-                text = (f"{{ .reg .u64 s; cvta.to.shared.u64 s, ${count}; "
-                        f"ld.shared.v{count}.u32 {{{regs}}}, [s]; }}")
+                text = f"ld.shared.v{count}.u32 {{{regs}}}, [${count}];"
                 out = ir.LiteralStructType([i32] * count)
-                asm = ir.InlineAsm(ir.FunctionType(out, [addr.type]), text, ",".join(["=r"] * count + ["l"])
+                asm = ir.InlineAsm(ir.FunctionType(out, [addr.type]), text, ",".join(["=r"] * count + ["r"])
                                    + ",~{memory}", side_effect=True)
                 res = builder.call(asm, [addr])
                 vals = [builder.extract_value(res, n) for n in range(count)]
                 return context.make_tuple(builder, sig.return_type, vals)
 
-            return types.UniTuple(types.uint32, count)(ring, row, half), codegen
+            return types.UniTuple(types.uint32, count)(ring, row, col), codegen
 
         return ld_ring
 
@@ -203,6 +207,7 @@ else:
     @cuda.jit(device=True)
     def _ld_ring4(ring, row):
         return _ld_ring4_impl(ring, row, 0)
+
 
 
 @cuda.jit(device=True)
@@ -245,25 +250,27 @@ def _make_finish(variant: FewVariant, epilogue: str):
     ft, rt = variant.ftiles, variant.rtiles
     swiglu = epilogue == "swiglu"
     n_out = ft * rt * 4
-    n_acc, halves = CHAINS * n_out, WARPS // 2
+    n_acc = CHAINS * n_out
     put = mm._make_put(epilogue)
 
     @cuda.jit(device=True)
-    def reduce_warps(acc):
-        # Offsets 16, 8, 4 of the butterfly: warp w (< half) adds warp w + half's chains.
-        red = cuda.shared.array((halves, n_acc, 32), np.float32)
-        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-        half = WARPS // 2
-        while half >= 1:
-            if half <= warp < 2 * half:
+    def reduce_warps(acc, red):
+        # Offsets 16, 8, 4 of the butterfly: warp w (< half) adds warp w + half's chains,
+        # through red, a (rows, 4) uint32 shared array of at least RED_ROWS rows (the bits).
+        warp, lane = _U(cuda.threadIdx.x) // _U(32), _U(cuda.threadIdx.x % 32)
+        half = _U(WARPS // 2)
+        while half >= _U(1):
+            if half <= warp < _U(2) * half:
                 for j in range(n_acc):
-                    red[warp - half, j, lane] = acc[j]
+                    at = ((warp - half) * _U(n_acc) + _U(j)) * _U(32) + lane
+                    red[at // _U(4), at % _U(4)] = np.uint32(float_as_int(acc[j]))
             cuda.syncthreads()
             if warp < half:
                 for j in range(n_acc):
-                    acc[j] = acc[j] + red[warp, j, lane]
+                    at = (warp * _U(n_acc) + _U(j)) * _U(32) + lane
+                    acc[j] = acc[j] + mm._bits_f32(red[at // _U(4), at % _U(4)])
             cuda.syncthreads()
-            half //= 2
+            half //= _U(2)
 
     @cuda.jit(device=True)
     def store(acc, row0, row_end, feat0, out):
@@ -300,9 +307,10 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     per_step = max(1, CHAINS // group_chunks)  # scale groups of a warp's step
     piece = piece_bytes(32 * group_chunks)
     gi_div = min(group_chunks, CHAINS)  # chunk i of a step is in the step's group i // gi_div
-    w_rows, quads = 2 * ft * THREADS, THREADS // 4
-    stage_rows = w_rows + 4 * ft * quads
-    ring_rows = stages * stage_rows
+    w_rows, quads, per_row = 2 * ft * THREADS, THREADS // 4, 16 // piece  # pieces a 16-byte row
+    p_rows = quads // per_row  # rows of one piece index (the warp's quads side by side)
+    stage_rows = ring_stage_rows(variant, group_chunks)
+    ring_rows = max(stages * stage_rows, sum_rows(variant))
     n_out = ft * rt * 4
     n_acc = CHAINS * n_out
     n_w, n_x, n_d, n_sv = 2 * ft * WORDS, rt * CHAINS * 2, 16 * rt, 4 * ft * per_step
@@ -311,6 +319,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     reduce_warps, store = _make_finish(variant, epilogue)
     copy_w, copy_s = (_copy_async, _copy_async) if SIMULATOR else (_COPIES[16], _COPIES[piece])
     wait = _wait_ring if SIMULATOR else _make_wait(stages - 1)
+    wait_all = _wait_ring if SIMULATOR else _make_wait(0)
 
     @cuda.jit(device=True)
     def warp_barrier():
@@ -330,8 +339,9 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
         for r in range(2 * ft):
             copy_w(ring, slot + _U(r * THREADS) + tid, 0, mm._at(w_refs[r], mine * _U(WORDS)), 4)
         quad = tid // _U(4)
-        for j in range(ft):  # pieces t + 4j of the quad
-            copy_s(ring, slot + _U(w_rows + (4 * j) * quads) + (tid % _U(4)) * _U(quads) + quad, 0,
+        at, col = slot + _U(w_rows) + quad // _U(per_row), (quad % _U(per_row)) * _U(piece // 4)
+        for j in range(ft):  # piece 4j + t of the quad, at row (4j + t) * p_rows of the pieces
+            copy_s(ring, at + (_U(4 * j) + tid % _U(4)) * _U(p_rows), col,
                    mm._at(p_refs[j], base // _U(group_chunks)), per_step)
         _commit()
 
@@ -342,14 +352,15 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
         for r in range(2 * ft):
             wv[4 * r], wv[4 * r + 1], wv[4 * r + 2], wv[4 * r + 3] = _ld_ring4(ring, slot + _U(r * THREADS) + tid)
         quad = tid // _U(4)
+        at0, col = slot + _U(w_rows) + quad // _U(per_row), (quad % _U(per_row)) * _U(piece // 4)
         for p in range(4 * ft):
-            at = slot + _U(w_rows + p * quads) + quad
+            at = at0 + _U(p * p_rows)
             if per_step == 4:
                 sv[4 * p], sv[4 * p + 1], sv[4 * p + 2], sv[4 * p + 3] = _ld_ring4(ring, at)
             elif per_step == 2:
-                sv[2 * p], sv[2 * p + 1] = _ld_ring2(ring, at, 0)
+                sv[2 * p], sv[2 * p + 1] = _ld_ring2(ring, at, col)
             else:
-                sv[p] = ring[at, 0]
+                sv[p] = ring[at, col]
 
     @cuda.jit(device=True)
     def chunk_math(c, i, wv, xv, dv, sv, acc, live):
@@ -390,7 +401,9 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
 
     @kernel(**options)
     def qmma_few_async_k(xq, xs, w, scales, biases, out):
-        # As qmma_few_k.
+        # xq: [rows, K / 4] u32 (int8 x, quantize_rows' order); xs: [rows, 2 * K / 32] f32;
+        # w: [1, out_f, K / 8] u32; scales/biases: [1, out_f, groups] f32; out: [rows, out_f]
+        # f32 (swiglu: w's rows / 2; add: updated in place). Grid (row blocks, feature blocks).
         ring = cuda.shared.array((ring_rows, 4), np.uint32)
         tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
@@ -442,11 +455,201 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
                 _quad_transpose(wv, 4 * r, _U(t))
             for i in range(CHAINS):
                 chunk_math(base + _U(i), i, wv, xv, dv, sv, acc, live)
-        reduce_warps(acc)
+        wait_all()
+        cuda.syncthreads()  # every copy landed and every warp done with the ring: reuse it
+        reduce_warps(acc, ring)
         if warp == 0:
             store(acc, row0, row_end, feat0, out)
 
     return qmma_few_async_k
+
+
+X_ROW_PAD, XS_ROW_PAD = 65, 17  # 16-byte rows of one x row (64) and x-scale row (16) of a step, padded
+
+
+def xring_stage_rows(variant: FewVariant, group_chunks: int) -> int:
+    """16-byte rows of one step in the x ring: the quads' scale pieces, the block's x rows
+    (32 chunks each) and their x scales."""
+    pieces = 4 * variant.ftiles * (THREADS // 4)
+    per_row = 16 // piece_bytes(32 * group_chunks)
+    rows = 8 * variant.rtiles
+    return (pieces + per_row - 1) // per_row + rows * (X_ROW_PAD + XS_ROW_PAD)
+
+
+def _make_xring_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
+    """As _make_async_kernel, but the ring carries the block's x and x scales of each step
+    (copied once by all threads, read by every warp: one block barrier a step) and the
+    scale pieces; the weight words are prefetched a step ahead in registers."""
+    ft, rt, stages = variant.ftiles, variant.rtiles, variant.stages
+    swiglu = epilogue == "swiglu"
+    feats_block = ft * (8 if swiglu else 16)
+    per_step = max(1, CHAINS // group_chunks)
+    piece = piece_bytes(32 * group_chunks)
+    gi_div = min(group_chunks, CHAINS)
+    quads, per_row = THREADS // 4, 16 // piece
+    p_rows = quads // per_row
+    x0 = (4 * ft * quads + per_row - 1) // per_row  # first row of the x part of a stage
+    xs0 = x0 + 8 * rt * X_ROW_PAD
+    stage_rows = xring_stage_rows(variant, group_chunks)
+    ring_rows = max(stages * stage_rows, sum_rows(variant))
+    x_copies = 8 * rt * 64 // THREADS  # 16-byte x pieces a thread copies a step
+    xs_threads = 8 * rt * 16  # threads that copy one 16-byte x-scale piece a step
+    n_out = ft * rt * 4
+    n_acc = CHAINS * n_out
+    n_w, n_x, n_d, n_sv = 2 * ft * WORDS, rt * CHAINS * 2, 16 * rt, 4 * ft * per_step
+    ft2 = 2 * ft
+    feature = _make_feature(swiglu)
+    reduce_warps, store = _make_finish(variant, epilogue)
+    copy16, copy_s = (_copy_async, _copy_async) if SIMULATOR else (_COPIES[16], _COPIES[piece])
+    wait = _wait_ring if SIMULATOR else _make_wait(max(0, stages - 2))
+    wait_all = _wait_ring if SIMULATOR else _make_wait(0)
+
+    @cuda.jit(device=True)
+    def issue(u, chunks, p_refs, xc_refs, xsc_ref, ring):
+        # Step u's scale pieces (per quad), the block's x (32 chunks of each row) and x scales
+        # into its ring slot, then one commit group. Chunks past the end: clamped copies.
+        tid = _U(cuda.threadIdx.x)
+        slot = (u % _U(stages)) * _U(stage_rows)
+        base = min(_U(STEP) * u + _U(CHAINS) * (tid // _U(32)), chunks - _U(CHAINS))
+        quad = tid // _U(4)
+        at, col = slot + quad // _U(per_row), (quad % _U(per_row)) * _U(piece // 4)
+        for j in range(ft):
+            copy_s(ring, at + (_U(4 * j) + tid % _U(4)) * _U(p_rows), col,
+                   mm._at(p_refs[j], base // _U(group_chunks)), per_step)
+        for m in range(x_copies):
+            k = tid + _U(m * THREADS)
+            r, seg = k // _U(64), k % _U(64)
+            c = min(_U(STEP) * u + seg // _U(2), chunks - _U(1))
+            copy16(ring, slot + _U(x0) + r * _U(X_ROW_PAD) + seg, 0,
+                   mm._at(xc_refs[m], c * _U(8) + (seg % _U(2)) * _U(4)), 4)
+        if tid < _U(xs_threads):
+            r, seg = tid // _U(16), tid % _U(16)
+            c = min(_U(STEP) * u + _U(2) * seg, chunks - _U(2))
+            copy16(ring, slot + _U(xs0) + r * _U(XS_ROW_PAD) + seg, 0, mm._at(xsc_ref[0], _U(2) * c), 4)
+        _commit()
+
+    @cuda.jit(device=True)
+    def read(u, ring, xv, dv, sv):
+        tid = _U(cuda.threadIdx.x)
+        warp, lane = tid // _U(32), tid % _U(32)
+        g, t = lane // _U(4), lane % _U(4)
+        slot = (u % _U(stages)) * _U(stage_rows)
+        quad = tid // _U(4)
+        at0, col = slot + quad // _U(per_row), (quad % _U(per_row)) * _U(piece // 4)
+        for p in range(4 * ft):
+            at = at0 + _U(p * p_rows)
+            if per_step == 4:
+                sv[4 * p], sv[4 * p + 1], sv[4 * p + 2], sv[4 * p + 3] = _ld_ring4(ring, at)
+            elif per_step == 2:
+                sv[2 * p], sv[2 * p + 1] = _ld_ring2(ring, at, col)
+            else:
+                sv[p] = ring[at, col]
+        for b in range(rt):
+            xrow = slot + _U(x0) + (_U(8 * b) + g) * _U(X_ROW_PAD) + _U(8) * warp + t // _U(2)
+            for i in range(CHAINS):  # chunk 4w + i: 16-byte rows 2(4w + i) + t // 2
+                xv[(b * 4 + i) * 2], xv[(b * 4 + i) * 2 + 1] = _ld_ring2(ring, xrow + _U(2 * i),
+                                                                          _U(2) * (t % _U(2)))
+            for h in range(2):
+                srow = slot + _U(xs0) + (_U(8 * b + h) + _U(2) * t) * _U(XS_ROW_PAD) + _U(2) * warp
+                for j in range(2):
+                    v0, v1, v2, v3 = _ld_ring4(ring, srow + _U(j))
+                    k = (2 * b + h) * 8 + 4 * j
+                    dv[k], dv[k + 1] = mm._bits_f32(v0), mm._bits_f32(v1)
+                    dv[k + 2], dv[k + 3] = mm._bits_f32(v2), mm._bits_f32(v3)
+
+    @cuda.jit(device=True)
+    def load_w(base, last, w_refs, wv):
+        mine = min(base + _U(cuda.threadIdx.x % 4), last)
+        for r in range(2 * ft):
+            at = mm._at(w_refs[r], mine * _U(WORDS))
+            wv[4 * r], wv[4 * r + 1], wv[4 * r + 2], wv[4 * r + 3] = mm._ld_u32x4(at, 0)
+
+    @cuda.jit(device=True)
+    def chunk_math(i, wv, xv, dv, sv, acc, live):
+        gi = i // gi_div
+        for b in range(rt):
+            d0, e0 = dv[16 * b + 2 * i], dv[16 * b + 2 * i + 1]
+            d1, e1 = dv[16 * b + 8 + 2 * i], dv[16 * b + 8 + 2 * i + 1]
+            for a in range(ft):
+                w0, w1 = wv[8 * a + i], wv[8 * a + 4 + i]
+                i0, i1, i2, i3 = qm._mma(w0 & _NIB, w1 & _NIB, (w0 >> np.uint32(4)) & _NIB,
+                                         (w1 >> np.uint32(4)) & _NIB, xv[(b * 4 + i) * 2],
+                                         xv[(b * 4 + i) * 2 + 1])
+                if not live:
+                    continue
+                s0 = mm._bits_f32(sv[(4 * a) * per_step + gi])
+                bias0 = mm._bits_f32(sv[(4 * a + 1) * per_step + gi])
+                s1 = mm._bits_f32(sv[(4 * a + 2) * per_step + gi])
+                bias1 = mm._bits_f32(sv[(4 * a + 3) * per_step + gi])
+                o = i * n_out + (a * rt + b) * 4
+                qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
+
+    options = {"max_registers": variant.max_registers} if variant.max_registers and not SIMULATOR else {}
+
+    @kernel(**options)
+    def qmma_few_xring_k(xq, xs, w, scales, biases, out):
+        # As qmma_few_async_k.
+        ring = cuda.shared.array((ring_rows, 4), np.uint32)
+        tid = cuda.threadIdx.x
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        row0, row_end = cuda.blockIdx.x * 8 * rt, xq.shape[0]
+        feat0, n_feat = cuda.blockIdx.y * feats_block, w.shape[1]
+        w_refs = cuda.local.array(ft2, mm._REF)
+        p_refs = cuda.local.array(ft, mm._REF)
+        xc_refs = cuda.local.array(x_copies, mm._REF)  # the x rows this thread copies
+        xsc_ref = cuda.local.array(1, mm._REF)  # the x-scale row this thread copies
+        for a in range(ft):
+            for h in range(2):
+                w_refs[2 * a + h] = mm._row3(w, 0, feature(a, g + 8 * h, feat0, n_feat))
+            row = feature(a, g + 8 * (t // 2), feat0, n_feat)
+            p_refs[a] = mm._row3(scales, 0, row) if t % 2 == 0 else mm._row3(biases, 0, row)
+        for m in range(x_copies):
+            xc_refs[m] = mm._row2(xq, min(row0 + (tid + m * THREADS) // 64, row_end - 1))
+        xsc_ref[0] = mm._row2(xs, min(row0 + min(tid, xs_threads - 1) // 16, row_end - 1))
+        acc = cuda.local.array(n_acc, np.float32)
+        for j in range(n_acc):
+            acc[j] = np.float32(0.0)
+        wv = cuda.local.array(n_w, np.uint32)
+        wn = cuda.local.array(n_w, np.uint32)
+        xv = cuda.local.array(n_x, np.uint32)
+        dv = cuda.local.array(n_d, np.float32)
+        sv = cuda.local.array(n_sv, np.uint32)
+        chunks = _U(w.shape[2] // WORDS)
+        steps = (chunks + _U(STEP - 1)) // _U(STEP)
+        last, base0 = chunks - _U(1), _U(CHAINS) * _U(warp)
+        load_w(min(base0, chunks - _U(CHAINS)), last, w_refs, wn)
+        for j in range(stages - 1):
+            if _U(j) < steps:
+                issue(_U(j), chunks, p_refs, xc_refs, xsc_ref, ring)
+            else:
+                _commit()
+        for u in range(steps):
+            uu = _U(u)
+            wait()  # this thread's copies of step u landed
+            cuda.syncthreads()  # everyone's; and every warp done with the slot refilled next
+            if uu + _U(stages - 1) < steps:
+                issue(uu + _U(stages - 1), chunks, p_refs, xc_refs, xsc_ref, ring)
+            else:
+                _commit()
+            for j in range(n_w):
+                wv[j] = wn[j]
+            base = _U(STEP) * uu + base0
+            if uu + _U(1) < steps:
+                load_w(min(base + _U(STEP), chunks - _U(CHAINS)), last, w_refs, wn)
+            read(uu, ring, xv, dv, sv)
+            for r in range(2 * ft):
+                _quad_transpose(wv, 4 * r, _U(t))
+            live = base < chunks
+            for i in range(CHAINS):
+                chunk_math(i, wv, xv, dv, sv, acc, live)
+        wait_all()
+        cuda.syncthreads()
+        reduce_warps(acc, ring)
+        if warp == 0:
+            store(acc, row0, row_end, feat0, out)
+
+    return qmma_few_xring_k
 
 
 _KERNELS: dict[tuple[FewVariant, int, str], object] = {}
@@ -457,11 +660,12 @@ def qmma_few_kernel(variant: FewVariant, group_chunks: int, epilogue: str = "sto
     and epilogue ('store', 'add', 'swiglu')."""
     if group_chunks < 1 or group_chunks & (group_chunks - 1) or epilogue not in mm.EPILOGUES:
         raise ValueError(f"qmma_few: {group_chunks} chunks a group, epilogue {epilogue!r}")
-    if variant.stages < 2 or not fits(variant):
+    if variant.stages < 2 or not fits(variant, group_chunks):
         raise ValueError(f"qmma_few: {variant} (a ring of 2+ steps within a block's shared memory)")
     key = (variant, group_chunks, epilogue)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_async_kernel(variant, group_chunks, epilogue)
+        make = _make_xring_kernel if variant.x_ring else _make_async_kernel
+        _KERNELS[key] = make(variant, group_chunks, epilogue)
     return _KERNELS[key]
 
 
@@ -470,35 +674,52 @@ def piece_bytes(group_size: int) -> int:
     return 4 * max(1, CHAINS // max(1, group_size // 32))
 
 
-def shared_bytes(variant: FewVariant) -> int:
-    """Static shared memory of a block: the cp.async ring (weight words and a 16-byte row a
-    scale piece) and the cross-warp sums."""
-    ring = variant.stages * (2 * THREADS + THREADS) * variant.ftiles * 16
-    sums = (WARPS // 2) * CHAINS * variant.ftiles * variant.rtiles * 4 * 32 * 4
-    return ring + sums
+def sum_rows(variant: FewVariant) -> int:
+    """16-byte rows of shared memory the cross-warp sums take (the bits of 4 warps' chains)."""
+    return (WARPS // 2) * CHAINS * variant.ftiles * variant.rtiles * 4 * 32 // 4
 
 
-def fits(variant: FewVariant) -> bool:
-    return shared_bytes(variant) <= SHARED_LIMIT
+def ring_stage_rows(variant: FewVariant, group_chunks: int) -> int:
+    """16-byte rows of one step in the ring: the weight words, then the quads' scale pieces."""
+    pieces = 4 * variant.ftiles * (THREADS // 4)
+    per_row = 16 // piece_bytes(32 * group_chunks)
+    return 2 * variant.ftiles * THREADS + (pieces + per_row - 1) // per_row
+
+
+def shared_bytes(variant: FewVariant, group_chunks: int = 2) -> int:
+    """Static shared memory of a block: the cp.async ring (the cross-warp sums reuse it)."""
+    per_stage = (xring_stage_rows if variant.x_ring else ring_stage_rows)(variant, group_chunks)
+    return max(variant.stages * per_stage, sum_rows(variant)) * 16
+
+
+def fits(variant: FewVariant, group_chunks: int = 2) -> bool:
+    return shared_bytes(variant, group_chunks) <= SHARED_LIMIT
 
 
 VARIANT: FewVariant | None = None  # overrides plan() (benchmarks and checks of other variants)
 
 
-def plan(rows: int) -> FewVariant:
-    """One 8-row tile a block (two blocks past 8 rows: a block of two tiles needs twice the
-    registers, H100 slower), 16 features a block (more blocks for the SMs at narrow outputs),
-    3 steps in the ring."""
-    return VARIANT if VARIANT is not None else FewVariant(1, 1)
+def plan(rows: int, group_chunks: int = 2) -> FewVariant:
+    """32 features a block (two 16-feature tiles), one 8-row tile (two row blocks past 8
+    rows), x and its scales through a 3-step ring with the weights prefetched in registers,
+    registers capped at 128 (4 bytes spilled). One H100, session 25 (bench_qmma.py, 27B
+    gate|up / down): 8 rows 64.1 / 39.5 us against 84.7 / 58.1 for session 23's 1:1 ring
+    and qdot's 90.2 / 42.3; 16 rows 105.8 / 60.8 against qdot's 166.5 / 72.4; at 4 rows
+    qdot is faster (59.6 / 29.6 against 72.5 / 45.7). Groups of one chunk (group size 32)
+    give it too many scale rows for 48 KB: session 23's 16-feature weight ring there."""
+    if VARIANT is not None:
+        return VARIANT
+    best = FewVariant(2, 1, max_registers=128, x_ring=True)
+    return best if fits(best, group_chunks) else FewVariant(1, 1)
 
 
 # Launches of MIN_ROWS .. TAKE_MAX rows that take this kernel when the caller leaves the path
-# to the launcher (None: none). One H100, session 23 (benchmarks/bench_qmma.py): at 8 rows
-# 1.08-1.11x qdot at 4 of 5 Qwen3-8B/27B shapes (0.95x at 8B's down), at 4 rows and at 1
-# row slower; at 16 rows qmma's wide tiles (WIDE_ROWS_MIN) do better. In the engine
-# (bench_qwen35_gpu.py --streams 8, side by side): 27B 400 -> 443 tok/s, 35B-A3B 816 -> 885.
+# to the launcher (None: none). One H100, session 25, side by side in the engine
+# (bench_qwen35_gpu.py): 8 streams 27B 434.0 -> 479.6 tok/s with plan()'s variant at 5-8
+# rows (session 23's kernel before); DFlash2 on 27B (16-row verify) 3.78x plain with 5-16
+# rows, against 3.01-3.05x with qdot at 16 rows (sessions 22-23).
 MIN_ROWS: int | None = 5
-TAKE_MAX = 8
+TAKE_MAX = 16
 
 
 def supports(kind: str, rows: int, in_features: int, group_size: int) -> bool:
@@ -508,7 +729,7 @@ def supports(kind: str, rows: int, in_features: int, group_size: int) -> bool:
     chunks = group_size // 32
     if kind != "q4" or not 1 <= rows <= MAX_ROWS or in_features % 128 or group_size % 32:
         return False
-    return chunks & (chunks - 1) == 0 and in_features % group_size == 0 and fits(plan(rows))
+    return chunks & (chunks - 1) == 0 and in_features % group_size == 0 and fits(plan(rows, chunks), chunks)
 
 
 def takes(kind: str, rows: int, in_features: int, group_size: int) -> bool:

@@ -239,8 +239,9 @@ def _check_few_rows_tensor_core_matmul(rng: np.random.Generator) -> None:
     """The few-rows tensor-core path (cuda_kernels/qmma_few.py, mma and shuffles emulated)
     gives qdot's bits for every epilogue: chunk counts that leave warps without a last step
     (36 and 44 chunks: 4 and 12 past a whole step), groups of 1, 2 and 4 chunks, partial
-    feature blocks, 1 to 11 rows (11: two row blocks); also a 2-step ring with 16 rows a
-    block."""
+    feature blocks, 1 to 11 rows (11: two row blocks), in plan()'s variant (32 features a
+    block, the block's x through the ring); also 16 rows a block (2-step rings), 32 features
+    a block with the weights through the ring, and session 23's 16-feature ring."""
     from cuda_kernels import qmma_few as qf
 
     _check_few_rows_cases(rng, ((1152, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"),
@@ -248,14 +249,21 @@ def _check_few_rows_tensor_core_matmul(rng: np.random.Generator) -> None:
     try:
         qf.VARIANT = qf.FewVariant(1, 2, stages=2)
         _check_few_rows_cases(rng, ((1152, 64, 19, 13, "store"),))
+        qf.VARIANT = qf.FewVariant(2, 1, stages=2)  # 32 features a block (swiglu: 16 outputs)
+        _check_few_rows_cases(rng, ((1152, 64, 50, 5, "store"), (1024, 32, 68, 2, "swiglu")))
+        qf.VARIANT = qf.FewVariant(1, 1)  # 16 features a block, the weights through the ring
+        _check_few_rows_cases(rng, ((1152, 64, 19, 3, "store"), (1024, 32, 34, 11, "swiglu"),
+                                    (1408, 128, 16, 1, "add")))
+        qf.VARIANT = qf.FewVariant(1, 2, stages=2, x_ring=True)  # 16 rows a block
+        _check_few_rows_cases(rng, ((1152, 64, 19, 13, "store"),))
     finally:
         qf.VARIANT = None
     assert not qf.supports("q8", 3, 1024, 64) and not qf.supports("q4", 17, 1024, 64)
     assert not qf.supports("q4", 3, 1088, 64)  # the cp.async ring: whole 4-chunk sets
     _check_few_rows_refusals(rng)
-    assert qf.MIN_ROWS == 5 and qf.TAKE_MAX == 8  # routed where measured faster (H100)
-    assert qf.takes("q4", 8, 5120, 64) and qf.takes("q4", 5, 17408, 64)
-    assert not qf.takes("q4", 4, 5120, 64) and not qf.takes("q4", 9, 5120, 64)
+    assert qf.MIN_ROWS == 5 and qf.TAKE_MAX == 16  # routed where measured faster (H100)
+    assert qf.takes("q4", 8, 5120, 64) and qf.takes("q4", 5, 17408, 64) and qf.takes("q4", 16, 5120, 64)
+    assert not qf.takes("q4", 4, 5120, 64) and not qf.takes("q4", 17, 5120, 64)
     assert not qf.takes("q8", 8, 5120, 64) and not qf.takes("q4", 8, 1088, 64)
 
 
@@ -294,7 +302,7 @@ def _check_few_rows_cases(rng: np.random.Generator, cases) -> None:
             outs[path] = start.copy() if epilogue == "add" else np.full((rows, width), np.nan, np.float32)
             launch.matmul("q4", x, codes, scales, biases, gs, np.zeros(1, np.int32), outs[path], path=path,
                           epilogue=epilogue)
-        assert np.array_equal(outs["few"], outs["mma_few"]), (qf.plan(rows), in_f, gs, epilogue)
+        assert np.array_equal(outs["few"], outs["mma_few"]), (qf.plan(rows, gs // 32), in_f, gs, epilogue)
         if epilogue == "store":
             assert rel_err(outs["mma_few"], affine_x_ref(x, gs) @ deq[0].T) < 1e-5, in_f
 
