@@ -297,6 +297,37 @@ def _make_finish(variant: FewVariant, epilogue: str):
     return reduce_warps, store
 
 
+def _make_chunk_math(variant: FewVariant, group_chunks: int):
+    """qdot's chunk step for the lane's chain i of a step, every row and feature tile: the
+    mma of the chunk's codes and x, then (live) the float chain with the scales of piece p
+    (4a + 2h: scale, 4a + 2h + 1: bias of weight row g + 8h of tile a) for the chunk's group.
+    live: False past the end (the mma still runs: the simulator's needs every thread)."""
+    ft, rt = variant.ftiles, variant.rtiles
+    per_step, gi_div, n_out = max(1, CHAINS // group_chunks), min(group_chunks, CHAINS), ft * rt * 4
+
+    @cuda.jit(device=True)
+    def chunk_math(i, wv, xv, dv, sv, acc, live):
+        gi = i // gi_div
+        for b in range(rt):
+            d0, e0 = dv[16 * b + 2 * i], dv[16 * b + 2 * i + 1]
+            d1, e1 = dv[16 * b + 8 + 2 * i], dv[16 * b + 8 + 2 * i + 1]
+            for a in range(ft):
+                w0, w1 = wv[8 * a + i], wv[8 * a + 4 + i]
+                i0, i1, i2, i3 = qm._mma(w0 & _NIB, w1 & _NIB, (w0 >> np.uint32(4)) & _NIB,
+                                         (w1 >> np.uint32(4)) & _NIB, xv[(b * 4 + i) * 2],
+                                         xv[(b * 4 + i) * 2 + 1])
+                if not live:
+                    continue
+                s0 = mm._bits_f32(sv[(4 * a) * per_step + gi])
+                bias0 = mm._bits_f32(sv[(4 * a + 1) * per_step + gi])
+                s1 = mm._bits_f32(sv[(4 * a + 2) * per_step + gi])
+                bias1 = mm._bits_f32(sv[(4 * a + 3) * per_step + gi])
+                o = i * n_out + (a * rt + b) * 4
+                qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
+
+    return chunk_math
+
+
 def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     """The kernel with `variant.stages` steps of weights and scales in flight through cp.async
     into a shared ring (no registers hold them), in_features a multiple of 128 (whole
@@ -306,7 +337,6 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     feats_block = ft * (8 if swiglu else 16)
     per_step = max(1, CHAINS // group_chunks)  # scale groups of a warp's step
     piece = piece_bytes(32 * group_chunks)
-    gi_div = min(group_chunks, CHAINS)  # chunk i of a step is in the step's group i // gi_div
     w_rows, quads, per_row = 2 * ft * THREADS, THREADS // 4, 16 // piece  # pieces a 16-byte row
     p_rows = quads // per_row  # rows of one piece index (the warp's quads side by side)
     stage_rows = ring_stage_rows(variant, group_chunks)
@@ -362,28 +392,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
             else:
                 sv[p] = ring[at, col]
 
-    @cuda.jit(device=True)
-    def chunk_math(c, i, wv, xv, dv, sv, acc, live):
-        # qdot's chunk step for chunk c, the lane's chain i; scales of piece p (4a + 2h: scale,
-        # 4a + 2h + 1: bias of weight row g + 8h of tile a) for the chunk's group gi. live:
-        # False past the end (the mma still runs: the simulator's needs every thread).
-        gi = i // gi_div
-        for b in range(rt):
-            d0, e0 = dv[16 * b + 2 * i], dv[16 * b + 2 * i + 1]
-            d1, e1 = dv[16 * b + 8 + 2 * i], dv[16 * b + 8 + 2 * i + 1]
-            for a in range(ft):
-                w0, w1 = wv[8 * a + i], wv[8 * a + 4 + i]
-                i0, i1, i2, i3 = qm._mma(w0 & _NIB, w1 & _NIB, (w0 >> np.uint32(4)) & _NIB,
-                                         (w1 >> np.uint32(4)) & _NIB, xv[(b * 4 + i) * 2],
-                                         xv[(b * 4 + i) * 2 + 1])
-                if not live:
-                    continue
-                s0 = mm._bits_f32(sv[(4 * a) * per_step + gi])
-                bias0 = mm._bits_f32(sv[(4 * a + 1) * per_step + gi])
-                s1 = mm._bits_f32(sv[(4 * a + 2) * per_step + gi])
-                bias1 = mm._bits_f32(sv[(4 * a + 3) * per_step + gi])
-                o = i * n_out + (a * rt + b) * 4
-                qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
+    chunk_math = _make_chunk_math(variant, group_chunks)
 
     @cuda.jit(device=True)
     def load_x(base, x_refs, xs_refs, xv, dv):
@@ -454,7 +463,7 @@ def _make_async_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
             for r in range(2 * ft):
                 _quad_transpose(wv, 4 * r, _U(t))
             for i in range(CHAINS):
-                chunk_math(base + _U(i), i, wv, xv, dv, sv, acc, live)
+                chunk_math(i, wv, xv, dv, sv, acc, live)
         wait_all()
         cuda.syncthreads()  # every copy landed and every warp done with the ring: reuse it
         reduce_warps(acc, ring)
@@ -485,7 +494,6 @@ def _make_xring_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
     feats_block = ft * (8 if swiglu else 16)
     per_step = max(1, CHAINS // group_chunks)
     piece = piece_bytes(32 * group_chunks)
-    gi_div = min(group_chunks, CHAINS)
     quads, per_row = THREADS // 4, 16 // piece
     p_rows = quads // per_row
     x0 = (4 * ft * quads + per_row - 1) // per_row  # first row of the x part of a stage
@@ -564,25 +572,7 @@ def _make_xring_kernel(variant: FewVariant, group_chunks: int, epilogue: str):
             at = mm._at(w_refs[r], mine * _U(WORDS))
             wv[4 * r], wv[4 * r + 1], wv[4 * r + 2], wv[4 * r + 3] = mm._ld_u32x4(at, 0)
 
-    @cuda.jit(device=True)
-    def chunk_math(i, wv, xv, dv, sv, acc, live):
-        gi = i // gi_div
-        for b in range(rt):
-            d0, e0 = dv[16 * b + 2 * i], dv[16 * b + 2 * i + 1]
-            d1, e1 = dv[16 * b + 8 + 2 * i], dv[16 * b + 8 + 2 * i + 1]
-            for a in range(ft):
-                w0, w1 = wv[8 * a + i], wv[8 * a + 4 + i]
-                i0, i1, i2, i3 = qm._mma(w0 & _NIB, w1 & _NIB, (w0 >> np.uint32(4)) & _NIB,
-                                         (w1 >> np.uint32(4)) & _NIB, xv[(b * 4 + i) * 2],
-                                         xv[(b * 4 + i) * 2 + 1])
-                if not live:
-                    continue
-                s0 = mm._bits_f32(sv[(4 * a) * per_step + gi])
-                bias0 = mm._bits_f32(sv[(4 * a + 1) * per_step + gi])
-                s1 = mm._bits_f32(sv[(4 * a + 2) * per_step + gi])
-                bias1 = mm._bits_f32(sv[(4 * a + 3) * per_step + gi])
-                o = i * n_out + (a * rt + b) * 4
-                qm.chunk_fma(acc, o, s0, bias0, s1, bias1, d0, e0, d1, e1, i0, i1, i2, i3)
+    chunk_math = _make_chunk_math(variant, group_chunks)
 
     options = {"max_registers": variant.max_registers} if variant.max_registers and not SIMULATOR else {}
 
