@@ -429,9 +429,10 @@ def main() -> None:
                         "(cuda_kernels/qmma.py WIDE_ROWS_MIN; default off)")
     parser.add_argument("--qmma-few-rows", default=None, metavar="LO:HI",
                         help="q4 launches of LO..HI rows on the few-rows tensor-core kernel "
-                        "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default off)")
-    parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES",
-                        help="the few-rows kernel's variant (cuda_kernels/qmma_few.py VARIANT)")
+                        "(cuda_kernels/qmma_few.py MIN_ROWS, TAKE_MAX; default 5:16; 99:99 = off)")
+    parser.add_argument("--qmma-few-variant", default=None, metavar="F:R:REGS:STAGES[:XRING]",
+                        help="the few-rows kernel's variant (cuda_kernels/qmma_few.py VARIANT; "
+                        "default plan(): 2:1:128:3:1)")
     parser.add_argument("--mtp-pending-rows", type=int, default=None,
                         help="MTP slots a stream keeps unwritten until its ring is read "
                         "(tf_async/engine/drafters/mtp.py PENDING_ROWS; 0: every round writes)")
