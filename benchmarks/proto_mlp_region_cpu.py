@@ -6,7 +6,6 @@ process (median of N repeats of a 96-token completion).
 
     python benchmarks/proto_mlp_region_cpu.py [N]
 """
-# ruff: noqa
 import asyncio
 import os
 import sys
@@ -130,7 +129,7 @@ async def main():
             outs[on] = [(await eng.complete(p, max_tokens=48, ignore_eos=True)).token_ids for p in prompts]
         print("same tokens:", outs[True] == outs[False])
         res = {False: [], True: []}
-        for rep in range(int(sys.argv[1]) if len(sys.argv) > 1 else 10):
+        for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 10):
             for on in (False, True):
                 PATCH[0] = on
                 t = time.perf_counter()
