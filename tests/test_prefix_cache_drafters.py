@@ -165,9 +165,19 @@ def _record_spans(kind: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int,
 async def test_drafts_end_where_a_shorter_ring_does(tiny_llama, hybrid, kind, monkeypatch) -> None:
     """--draft-ring shorter than the streams: a proposal never attends a position whose ring
     row a later position wrote (drafts stop once the stream passes the ring), so resumed
-    streams propose as fresh ones (outputs equal plain's either way: the gates)."""
+    streams propose as fresh ones (outputs equal plain's either way: the gates); MTP writes
+    no slot past the ring."""
+    from tf_async.models.mtp import MtpHead
+
     ckpt, spec = _drafters(tiny_llama, hybrid)[kind]
     spans = _record_spans(kind, monkeypatch)
+    write, first_slots = MtpHead.write_slots, []
+
+    def spy_write(self: MtpHead, token_ids: list[int], first_pos: int, *args: Any) -> None:
+        first_slots.append(first_pos)
+        write(self, token_ids, first_pos, *args)
+
+    monkeypatch.setattr(MtpHead, "write_slots", spy_write)
     ring = 30  # the chat's first prompt (28 tokens) drafts; the later turns pass the ring
     resumed, fresh, seen, fresh_seen, _ = await resumed_and_fresh(
         ckpt, {**OPTIONS, "drafter": spec, "draft_ring": ring},
@@ -175,3 +185,5 @@ async def test_drafts_end_where_a_shorter_ring_does(tiny_llama, hybrid, kind, mo
     _assert_same_drafting(resumed, fresh, seen, fresh_seen)
     assert spans and all(last < rows == ring for last, rows in spans), spans
     assert resumed[0][2] > 0 and resumed[-1][2] == 0  # drafts while the stream fits, not after
+    # MTP: no slot writes once a stream has passed its ring (nothing reads them again)
+    assert (kind == "mtp") == bool(first_slots) and all(s < ring for s in first_slots), first_slots

@@ -157,6 +157,8 @@ class MtpDrafter(ContextDrafter):
         if self._must_flush(ctx):
             self._flush(ctx, seq)
         self._keep(ctx, seq, hidden, start_pos, valid_end)
+        if room_in_ring(ctx, ctx.num_valid) <= 0:  # past the ring, which is never read again;
+            ctx.num_valid = -1  # complete pages have their slots (_must_flush): stop writing
 
     def _defer(self, ctx: DraftContext, rows_h: Array, count: int) -> bool:
         """Slots [num_valid, num_valid + count) into the pending rows (their hidden rows: the
