@@ -117,10 +117,12 @@ def test_int8_matmul_gives_the_twins_bits(bits: int, in_features: int, group_siz
         assert np.array_equal(OPS.linear(x[-rows:], w).view(np.uint32), out[-rows:].view(np.uint32))
 
 
-def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path) -> None:
+@pytest.mark.parametrize("switch", ["TF_ASYNC_CPU_AVX2", "TF_ASYNC_CPU_VNNI"])
+def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path, switch: str) -> None:
     """Without AVX2 (TF_ASYNC_CPU_AVX2=0: plain LLVM vectors for maddubs, phaddw, madd and the
-    8-bit sign trick), the same integers and so the same bits, in a fresh process with its own
-    Numba cache."""
+    8-bit sign trick), and with AVX2 but without VNNI (TF_ASYNC_CPU_VNNI=0: the 8-bit sign
+    trick instead of vpdpbusd), the same integers and so the same bits, in a fresh process
+    with its own Numba cache."""
     import os
     import subprocess
     import sys
@@ -130,7 +132,7 @@ def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path) -> None:
         "from tf_async.backend.cpu import int8_matmul\n"
         "from tests.test_cpu_kernels import INT8_SHAPES, _int8_x_reference, randn, rng_for\n"
         "from tf_async.backend.weights import quantize_affine\n"
-        "assert not int8_matmul.AVX2\n"
+        f"assert not int8_matmul.{switch.rsplit('_', 1)[1]}\n"
         "for bits in (4, 8):\n"
         "    for in_f, gs in INT8_SHAPES:\n"
         "        rng = rng_for(in_f + gs + bits)\n"
@@ -140,7 +142,7 @@ def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path) -> None:
         "        int8_matmul.matmul(x, (w.codes,), (w.scales,), (w.biases,), bits, gs, out)\n"
         "        assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32)), (bits, in_f, gs)\n"
         "print('same bits')\n")
-    env = {**os.environ, "TF_ASYNC_CPU_AVX2": "0", "NUMBA_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, switch: "0", "NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

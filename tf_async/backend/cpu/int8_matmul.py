@@ -5,8 +5,9 @@ bit for bit: x is quantized per chunk of 32 to int8 with (d, d * sum(xi)); a chu
 dot with the codes is exact; lane l of 32 takes chunks l, l + 32, ... with
 acc = fma(s * d, isum, acc) then acc = fma(b, d * sum(xi), acc); a halving sum over the 32
 lanes ends the feature. The speed comes from where the bits cannot move: the exact integer
-dots run on byte SIMD (AVX2's maddubs / madd where the host has them, plain LLVM vectors
-elsewhere: the same integers), and eight chunks' float steps go as one 8-lane vector.
+dots run on byte SIMD (AVX2's maddubs / madd where the host has them, for 8-bit codes VNNI's
+vpdpbusd where it has that too, plain LLVM vectors elsewhere: the same integers), and eight
+chunks' float steps go as one 8-lane vector.
 
 The x layout here is this file's own (the integers do not depend on which byte pairs with
 which): per chunk of a 4-bit weight the even elements then the odd ones (a 16-byte code block
@@ -51,7 +52,19 @@ def _host_has_avx2() -> bool:
     return bool(features.get("avx2", False))
 
 
+def _host_has_vnni() -> bool:
+    """Whether `vpdpbusd` on 256-bit vectors may be emitted (8-bit codes' chunk dots in one
+    instruction): AVX2 in use, an AVX-VNNI or AVX512-VNNI (with VL) host, and
+    TF_ASYNC_CPU_VNNI not "0" (the tests' switch to AVX2's sign trick; own NUMBA_CACHE_DIR)."""
+    if not AVX2 or os.environ.get("TF_ASYNC_CPU_VNNI") == "0":
+        return False
+    features = llvm_binding.get_host_cpu_features()
+    return bool(features.get("avxvnni", False)
+                or (features.get("avx512vnni", False) and features.get("avx512vl", False)))
+
+
 AVX2 = _host_has_avx2()
+VNNI = _host_has_vnni()
 
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _F = ir.FloatType()
@@ -113,8 +126,8 @@ def _load(b: ir.IRBuilder, ptr: ir.Value, offset: ir.Value, vector: ir.VectorTyp
 
 def _lone_chunk_dot(b: ir.IRBuilder, codes: ir.Value, x: ir.Value, bits: int) -> ir.Value:
     """Eight int32 partial sums of one chunk: codes at `codes` (16 bytes of nibbles or 32
-    bytes), x at `x` (4-bit: its 16 even elements then its 16 odd ones). 8-bit codes on AVX2:
-    the sums of (code - 128) * x, which _x_total completes."""
+    bytes), x at `x` (4-bit: its 16 even elements then its 16 odd ones). 8-bit codes on AVX2
+    without VNNI: the sums of (code - 128) * x, which _x_total completes."""
     xv = _load(b, x, _const(0), _V32I8)
     if bits == 4:
         q = _load(b, codes, _const(0), _V16I8)
@@ -122,6 +135,10 @@ def _lone_chunk_dot(b: ir.IRBuilder, codes: ir.Value, x: ir.Value, bits: int) ->
         high = b.lshr(q, ir.Constant(_V16I8, [4] * 16))
         return _madd_ones(b, _maddubs(b, _shuffle(b, low, high, list(range(32))), xv))
     q = _load(b, codes, _const(0), _V32I8)
+    if VNNI:  # u8 codes . s8 x, 4 products a lane, summed in int32: exact, no saturation
+        dpbusd = _fn(b, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32] * 3)
+        zero = ir.Constant(_V8I32, [0] * 8)
+        return b.call(dpbusd, [zero, b.bitcast(q, _V8I32), b.bitcast(xv, _V8I32)])
     if AVX2:  # codes - 128 as i8 w: maddubs(|w|, x * sign(w)), pairs <= 2 * 128 * 127
         w = b.xor(q, ir.Constant(_V32I8, [0x80] * 32))
         magnitude = b.call(
@@ -293,10 +310,10 @@ def _x_total(
     b: ir.IRBuilder, f: _Feature, k: int, c: ir.Value, sums: ir.Value, width: int,
     mask: ir.Value | None = None,
 ) -> ir.Value:
-    """8-bit codes on AVX2: sums of (code - 128) * x plus 128 * sum(x) of chunks c .. c +
-    width - 1 (width 8: a v8 i32, the sums of the lanes of `mask` only when given (the row's
-    last values: nothing read past them); 1: an i32); otherwise `sums` as they are."""
-    if f.bits != 8 or not AVX2:
+    """8-bit codes on AVX2 without VNNI: sums of (code - 128) * x plus 128 * sum(x) of chunks
+    c .. c + width - 1 (width 8: a v8 i32, the sums of the lanes of `mask` only when given (the
+    row's last values: nothing read past them); 1: an i32); otherwise `sums` as they are."""
+    if f.bits != 8 or not AVX2 or VNNI:
         return sums
     at = b.add(c, b.mul(f.ops.chunks, _const(2)))
     if width == 1:
