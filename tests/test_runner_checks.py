@@ -1,6 +1,7 @@
 """The runner checks a round's indices once on the packed host copy and runs the forward
-without the backend's per-op device checks (on a GPU each is a host sync); a batch that
-fails the host check never reaches the decoder, and outputs are unchanged."""
+without the backend's per-op index checks (on a GPU each is a host sync, on the CPU a kernel
+call a layer); a batch that fails the host check never reaches the decoder, and outputs are
+unchanged."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.asyncio
 class CheckTrackingOps:
     """CpuOps with CudaOps' `unchecked()` switch; records the switch at every embed call."""
 
-    capabilities = Capabilities(device_checks=True)
+    capabilities = Capabilities(device_checks=True, round_checks=True)
 
     def __init__(self) -> None:
         self._inner = CpuOps()
@@ -109,3 +110,43 @@ async def test_a_row_past_its_lanes_pages_is_refused_not_read_from_another_lane(
         tracking_ops[0].capabilities = Capabilities()  # no host check: the backend's own checks refuse it
         with pytest.raises(ValueError, match="must lie in|outside"):
             runner._forward((inside, past), tables)
+
+
+async def test_cpu_forwards_skip_the_per_op_index_checks_the_runner_made(tiny_llama, monkeypatch) -> None:
+    """On the CPU too: inside the runner's rounds no layer calls the page or slot range
+    kernels (the round was checked once), the same tokens come out, and outside unchecked()
+    a bad slot or page is still refused by the op itself."""
+    from tf_async.backend.cpu import kernels
+    from tf_async.backend.cpu import ops as cpu_ops
+
+    calls: dict[str, Any] = {"pages": 0, "ranges": []}
+    pages, ranges = kernels.first_bad_page_row, cpu_ops._check_range
+
+    def counted_pages(*args):
+        calls["pages"] += 1
+        return pages(*args)
+
+    def counted_ranges(values, name, low, high):
+        calls["ranges"].append(name)
+        return ranges(values, name, low, high)
+
+    prompt = [3, 17, 5, 9, 11, 2, 8, 30, 4, 6, 12]
+    plain = await generate(tiny_llama, prompt)
+    monkeypatch.setattr(kernels, "first_bad_page_row", counted_pages)
+    monkeypatch.setattr(cpu_ops, "_check_range", counted_ranges)
+    assert await generate(tiny_llama, prompt) == plain
+    assert calls["pages"] == 0  # a new page's zeroing (no layer) still checks its ids
+    assert calls["ranges"] and set(calls["ranges"]) == {"zero_pages page_ids"}
+    ops = CpuOps()
+    kv = ops.alloc_kv(1, 8, 1, 4, "f32")
+    k = np.zeros((1, 1, 4), np.float32)
+    with pytest.raises(BadInputError, match="must lie in"):
+        ops.kv_write(kv, 0, k, k, np.array([8], np.int64), None)
+    q = np.zeros((1, 1, 4), np.float32)
+    with pytest.raises(BadInputError, match="block_table entry"):
+        ops.attention(q, kv, 0, None, np.array([[5]], np.int32), np.zeros(1, np.int32),
+                      np.zeros(1, np.int64), 4, 0.5)
+    assert calls["pages"] == 1 and calls["ranges"][-1] == "kv_write slots"
+    with ops.unchecked():
+        assert not ops.index_checks
+    assert ops.index_checks

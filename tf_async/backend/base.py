@@ -20,9 +20,13 @@ class Capabilities:
     (callers read these flags; they never probe an ops object for methods)."""
 
     device_sampling: bool = False  # a DeviceSampler: tokens chosen where the logits are
-    # Its index checks cost a host sync each: the runner checks a round once on the host and
-    # runs the forward inside `unchecked()`.
+    # Its index checks cost a host sync each (they read device memory): they are skipped
+    # inside `unchecked()`, and a batch without a host copy is checked on the device.
     device_checks: bool = False
+    # The runner checks a round's indices once on the packed host copy (check_indices) and
+    # runs the forward inside `unchecked()`, where the per-op index checks are skipped (on
+    # the GPU each a host sync, on the CPU a kernel call a layer).
+    round_checks: bool = False
     cuda_graphs: bool = False  # a GraphOps: decode rounds captured and replayed
 
 
@@ -37,8 +41,9 @@ class Ops(Protocol):
     def xp(self) -> Any: ...
 
     def unchecked(self) -> AbstractContextManager[None]:
-        """Skip the per-op bounds checks of device-resident indices inside the block (the
-        caller checked them); a no-op where checks cost nothing extra (the CPU)."""
+        """Skip the per-op bounds checks of the indices inside the block (the caller checked
+        them: the runner, on a round's packed host copy); dtype, layout and shape checks
+        still run."""
         ...
 
     def asarray(self, array: np.ndarray) -> Array: ...

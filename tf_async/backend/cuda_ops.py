@@ -116,7 +116,8 @@ class CudaOps:
     """Ops on one GPU: CuPy arrays in and out, Numba CUDA kernels inside."""
 
     name = "cuda"
-    capabilities = Capabilities(device_sampling=True, device_checks=True, cuda_graphs=True)
+    capabilities = Capabilities(device_sampling=True, device_checks=True, round_checks=True,
+                                cuda_graphs=True)
 
     def __init__(self) -> None:
         self.xp, self._cuda, self._launch, self._gdn = _load_cuda()

@@ -246,10 +246,11 @@ class Runner:
 
     def _host_checked(self, batch: ForwardBatch) -> AbstractContextManager[Any]:
         """Check the round's indices once, on the packed host copy (NumPy, no device work),
-        and run the forward without the backend's per-op device checks (on the GPU each is a
-        host sync: a few per layer). A batch without a host copy keeps the device checks."""
+        and run the forward without the backend's per-op index checks (on the GPU each is a
+        host sync, on the CPU a kernel call: a few per layer). A batch without a host copy
+        keeps the per-op checks."""
         packed = packed_of(batch)
-        if not self.ops.capabilities.device_checks or packed is None:
+        if not self.ops.capabilities.round_checks or packed is None:
             return nullcontext()
         check_indices(packed.layout, packed.host, vocab=self.decoder.weights.embed.out_features,
                       num_slots=int(self.arena.kv.shape[2]), page_size=batch.page_size)

@@ -8,8 +8,8 @@ bounds inside compiled code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -64,7 +64,8 @@ class CpuOps:
 
     name = "cpu"
     xp = np
-    capabilities = Capabilities()  # host sampler, checks on the host already, no graphs
+    # host sampler, no graphs; the runner checks a round's indices once (round_checks)
+    capabilities = Capabilities(round_checks=True)
 
     def __init__(self, int8_x: bool = True) -> None:
         # id -> uploaded weight or concat_linears of them (kept alive: no id reuse)
@@ -75,6 +76,7 @@ class CpuOps:
         # SIMD (int8_matmul; kernels.matmul_affine_int8x for groups of 32 * 3, 5, ...).
         # Off: float32 x (kernels.matmul_affine).
         self.int8_x = int8_x
+        self.index_checks = True  # False inside unchecked(): the caller checked the indices
 
     def asarray(self, array: np.ndarray) -> np.ndarray:
         """To the device: identity on the CPU."""
@@ -95,9 +97,16 @@ class CpuOps:
     def synchronize(self) -> None:
         """Kernels run synchronously on the CPU."""
 
-    def unchecked(self) -> AbstractContextManager[None]:
-        """The CPU's checks read host memory (no sync to save): they always run."""
-        return nullcontext()
+    @contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Skip the per-op index range checks (a kernel call each: slots, block-table pages)
+        inside the block; the runner checked the round's indices once on its packed copy.
+        Dtype, layout and shape checks still run."""
+        before, self.index_checks = self.index_checks, False
+        try:
+            yield
+        finally:
+            self.index_checks = before
 
     # ------------------------------------------------------------------ matmuls
     def linear(self, x: np.ndarray, w: FusedLinear, bias: np.ndarray | None = None) -> np.ndarray:
@@ -139,7 +148,8 @@ class CpuOps:
         if self._checked.get(id(w)) is not w:
             _check_weight(w)
         check_array(ids, "embed ids", np.int64, 1)
-        _check_range(ids, "embed ids", 0, w.out_features)
+        if self.index_checks:
+            _check_range(ids, "embed ids", 0, w.out_features)
         out = np.empty((ids.shape[0], w.in_features), np.float32)
         if isinstance(w, AffineWeight):
             kernels.embed_affine(w.codes, w.scales, w.biases, w.bits, w.group_size, ids, out)
@@ -190,7 +200,7 @@ class CpuOps:
         check_kv(kv, layer)
         check_array(k, "kv_write k", np.float32, 3)
         check_array(v, "kv_write v", np.float32, 3)
-        _check_slots(slots, k.shape[0], kv)
+        _check_slots(slots, k.shape[0], kv, self.index_checks)
         check_shape(k, "kv_write k", (slots.shape[0], *kv.shape[3:]))
         check_shape(v, "kv_write v", k.shape)
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
@@ -228,6 +238,8 @@ class CpuOps:
         check_shape(row_seq, "attention row_seq", (rows,))
         check_shape(row_pos, "attention row_pos", (rows,))
         num_pages = num_pages_of(kv, page_size)
+        if not self.index_checks:  # the runner checked the round's pages (unchecked())
+            return
         bad_row = kernels.first_bad_page_row(block_table, row_seq, row_pos, page_size, num_pages)
         if bad_row >= 0:
             raise BadInputError(
@@ -292,7 +304,7 @@ class CpuOps:
                 check_array(norm, f"attn_inputs {name}", np.float32, 1)
                 check_shape(norm, f"attn_inputs {name}", (hd,))
         _check_rope(positions, inv_freq, rows, hd)
-        _check_slots(slots, rows, kv)
+        _check_slots(slots, rows, kv, self.index_checks)
         k_scale, v_scale = _layer_scales(kv_scales, kv, layer)
         q = np.empty((rows, num_heads, hd), np.float32)
         kernels.attn_inputs(qkv, q_norm, k_norm, float(eps), positions, inv_freq, float(mscale),
@@ -459,11 +471,12 @@ def _check_rope(positions: np.ndarray, inv_freq: np.ndarray, rows: int, head_dim
         raise BadInputError(f"rope: rotary dims {2 * inv_freq.shape[0]} exceed head_dim {head_dim}")
 
 
-def _check_slots(slots: np.ndarray, rows: int, kv: np.ndarray) -> None:
-    """slots [rows] int64, each a slot of the arena kv."""
+def _check_slots(slots: np.ndarray, rows: int, kv: np.ndarray, in_range: bool) -> None:
+    """slots [rows] int64, each (when `in_range`: outside unchecked()) a slot of the arena kv."""
     check_array(slots, "kv_write slots", np.int64, 1)
     check_shape(slots, "kv_write slots", (rows,))
-    _check_range(slots, "kv_write slots", 0, kv.shape[2])
+    if in_range:
+        _check_range(slots, "kv_write slots", 0, kv.shape[2])
 
 
 def _check_frozen(row_lanes: np.ndarray, frozen: np.ndarray, num_lanes: int) -> None:
