@@ -22,7 +22,8 @@ pytestmark = pytest.mark.asyncio
 
 
 class CheckTrackingOps:
-    """CpuOps with CudaOps' `unchecked()` switch; records the switch at every embed call."""
+    """CpuOps that also declares device checks (as CudaOps) and records its `unchecked()`
+    switch at every embed call; the switch enters CpuOps' own too (its range checks skipped)."""
 
     capabilities = Capabilities(device_checks=True, round_checks=True)
 
@@ -38,7 +39,8 @@ class CheckTrackingOps:
     def unchecked(self):
         before, self.device_checks = self.device_checks, False
         try:
-            yield
+            with self._inner.unchecked():
+                yield
         finally:
             self.device_checks = before
 
