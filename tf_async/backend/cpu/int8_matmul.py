@@ -37,6 +37,11 @@ CHUNK = 32  # elements of x that share one int8 scale
 _FEATURE_TILE = 16  # features whose codes stay in L1 while 4-row tiles of x pass over them
 _MAX_CHUNKS = 32  # parallel work items of a call (a fixed count: see kernels._num_chunks)
 _PARALLEL_MIN_WORK = 1 << 17  # multiply-adds below which a call runs on the calling thread
+# Weight rows a feature asks for ahead (software prefetch): a decode step streams ~115 MB of
+# weights that no cache holds, and the hardware prefetcher alone kept a core at about half
+# the bandwidth a plain read reaches (docs/PERFORMANCE.md, session 27). Only a hint: the
+# arithmetic and its bits do not change.
+PREFETCH_FEATURES = 8
 
 
 def _host_has_avx2() -> bool:
@@ -468,12 +473,32 @@ def _lane_sum(b: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     return b.extract_element(v, ir.Constant(_I32, 0))
 
 
+def _prefetch(b: ir.IRBuilder, ptr: ir.Value, nbytes: ir.Value) -> None:
+    """Ask for the cache lines of [ptr, ptr + nbytes) (a hint: never faults)."""
+    fn = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    base = b.bitcast(ptr, _I8.as_pointer())
+    with cgutils.for_range(b, b.udiv(b.add(nbytes, _const(63)), _const(64))) as loop:
+        line = b.gep(base, [b.shl(loop.index, _const(6))])
+        b.call(fn, [line, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _prefetch_feature(b: ir.IRBuilder, ops: _Operands, o: ir.Value) -> None:
+    """Feature o + PREFETCH_FEATURES's codes, scales and biases, on their way while o runs."""
+    ahead = b.add(o, _const(PREFETCH_FEATURES))
+    _prefetch(b, b.gep(ops.codes, [b.mul(ahead, ops.code_row_bytes)]), ops.code_row_bytes)
+    group0 = b.mul(ahead, ops.num_groups)
+    group_bytes = b.mul(ops.num_groups, _const(4))
+    _prefetch(b, b.gep(ops.scales, [group0]), group_bytes)
+    _prefetch(b, b.gep(ops.biases, [group0]), group_bytes)
+
+
 def _emit_feature(
     b: ir.IRBuilder, ops: _Operands, o: ir.Value, accs: list[ir.Value], bits: int, contiguous: bool
 ) -> None:
     zero = ir.Constant(_ACC, [ir.Constant(_V8F32, [0.0] * 8)] * 4)
     for acc in accs:
         b.store(zero, acc)
+    _prefetch_feature(b, ops, o)
     f = _Feature(b, ops, o, len(accs), bits)
     full = b.lshr(ops.chunks, _const(3))
     with cgutils.for_range(b, full) as loop:
