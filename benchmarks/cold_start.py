@@ -22,7 +22,6 @@ import time
 import aiohttp
 
 
-
 def question(number: int) -> list[dict[str, str]]:
     """The n-th request's chat: each asks something else (same length in tokens), so a later
     request cannot reuse an earlier one's prompt from the prefix cache and seem warmer."""

@@ -3,12 +3,13 @@ paged == contiguous KV, KV dtype conversions, and argument validation."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
-from tf_async.backend.cpu import kernels
+from tf_async.backend.cpu import int8_matmul, kernels
 from tf_async.backend.cpu.ops import CpuOps
 from tf_async.backend.weights import AffineWeight, DenseWeight, LinearParts, quantize_affine
 
@@ -117,6 +118,37 @@ def test_int8_matmul_gives_the_twins_bits(bits: int, in_features: int, group_siz
         assert np.array_equal(OPS.linear(x[-rows:], w).view(np.uint32), out[-rows:].view(np.uint32))
 
 
+def half_exact(w: AffineWeight) -> AffineWeight:
+    """w with its scales and biases rounded to float16 values (as a GGUF block's d and m are)."""
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).astype(np.float32)
+
+    return dataclasses.replace(w, scales=rounded(w.scales), biases=rounded(w.biases))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("in_features", "group_size"), INT8_SHAPES)
+def test_int8_matmul_reads_float16_scales_for_the_same_bits(bits: int, in_features: int,
+                                                           group_size: int) -> None:
+    """Scales and biases that are float16 values run from float16 copies (compact_scales: a
+    decode step reads half the bytes of them) and give the float32 arrays' bits, row for row;
+    one value that float16 cannot hold keeps the float32 arrays."""
+    rng = rng_for(bits * 104729 + in_features + group_size)
+    w = half_exact(quantize_affine(randn(rng, 37, in_features), bits, group_size))
+    x = randn(rng, 9, in_features) * np.float32(3.0)
+    scales, biases = int8_matmul.compact_scales((w.scales,), (w.biases,))
+    assert scales[0].dtype == biases[0].dtype == np.uint16
+    for rows in (9, 1, 4, 5):
+        out = np.full((rows, 37), np.nan, np.float32)
+        int8_matmul.matmul(x[-rows:], (w.codes,), scales, biases, bits, group_size, out)
+        expected = _int8_x_reference(x[-rows:], w)
+        assert np.array_equal(out.view(np.uint32), expected.view(np.uint32)), rows
+    assert np.array_equal(OPS.linear(x, w).view(np.uint32), _int8_x_reference(x, w).view(np.uint32))
+    w.biases[3, 0] = np.float32(1 / 3)
+    kept = int8_matmul.compact_scales((w.scales,), (w.biases,))
+    assert kept[0][0] is w.scales and kept[1][0] is w.biases
+
+
 @pytest.mark.parametrize("switch", ["TF_ASYNC_CPU_AVX2", "TF_ASYNC_CPU_VNNI"])
 def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path, switch: str) -> None:
     """Without AVX2 (TF_ASYNC_CPU_AVX2=0: plain LLVM vectors for maddubs, phaddw, madd and the
@@ -130,7 +162,7 @@ def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path, switch: str) 
     script = (
         "import numpy as np\n"
         "from tf_async.backend.cpu import int8_matmul\n"
-        "from tests.test_cpu_kernels import INT8_SHAPES, _int8_x_reference, randn, rng_for\n"
+        "from tests.test_cpu_kernels import INT8_SHAPES, _int8_x_reference, half_exact, randn, rng_for\n"
         "from tf_async.backend.weights import quantize_affine\n"
         f"assert not int8_matmul.{switch.rsplit('_', 1)[1]}\n"
         "for bits in (4, 8):\n"
@@ -140,6 +172,10 @@ def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path, switch: str) 
         "        x = randn(rng, 6, in_f)\n"
         "        out = np.empty((6, 21), np.float32)\n"
         "        int8_matmul.matmul(x, (w.codes,), (w.scales,), (w.biases,), bits, gs, out)\n"
+        "        assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32)), (bits, in_f, gs)\n"
+        "        w = half_exact(w)\n"
+        "        scales, biases = int8_matmul.compact_scales((w.scales,), (w.biases,))\n"
+        "        int8_matmul.matmul(x, (w.codes,), scales, biases, bits, gs, out)\n"
         "        assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32)), (bits, in_f, gs)\n"
         "print('same bits')\n")
     env = {**os.environ, switch: "0", "NUMBA_CACHE_DIR": str(tmp_path)}

@@ -74,6 +74,7 @@ VNNI = _host_has_vnni()
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _F = ir.FloatType()
 _V8I32, _V8F32 = ir.VectorType(_I32, 8), ir.VectorType(_F, 8)
+_V8F16 = ir.VectorType(ir.HalfType(), 8)
 _V16I8, _V32I8, _V16I16 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
 _ACC = ir.ArrayType(_V8F32, 4)  # a row's 32 float lanes
 
@@ -216,7 +217,12 @@ class _Operands:
         ]
         self.codes = b.bitcast(arrays[0].data, _I8.as_pointer())
         self.code_row_bytes = b.mul(cgutils.unpack_tuple(b, arrays[0].shape)[1], _const(4))
+        # scales and biases as uint16 arrays: float16 bits (Numba has no float16 arrays)
+        self.half = sig.args[1].dtype == types.uint16
         self.scales, self.biases = arrays[1].data, arrays[2].data
+        if self.half:
+            half_ptr = ir.HalfType().as_pointer()
+            self.scales, self.biases = b.bitcast(self.scales, half_ptr), b.bitcast(self.biases, half_ptr)
         self.num_groups = cgutils.unpack_tuple(b, arrays[1].shape)[1]
         self.group_shift = context.cast(b, group_shift, sig.args[3], types.intp)
         x = context.make_array(sig.args[4])(context, b, xq)
@@ -257,21 +263,39 @@ class _Feature:
     def scale_vectors(
         self, b: ir.IRBuilder, c0: ir.Value, contiguous: bool
     ) -> tuple[ir.Value, ir.Value]:
+        half = self.ops.half
         if contiguous:  # a group per chunk: the 8 scales side by side
-            return _load8(b, self.scales, c0), _load8(b, self.biases, c0)
+            return _load8(b, self.scales, c0, half), _load8(b, self.biases, c0, half)
         groups = [b.lshr(b.add(c0, _const(j)), self.ops.group_shift) for j in range(8)]
-        return _lane_gather(b, self.scales, groups), _lane_gather(b, self.biases, groups)
+        return _lane_gather(b, self.scales, groups, half), _lane_gather(b, self.biases, groups, half)
+
+    def scale_at(self, b: ir.IRBuilder, g: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """Group g's scale and bias as f32 (from f16 exactly where stored so)."""
+        return tuple(_widen(b, b.load(b.gep(p, [g])), self.ops.half)
+                     for p in (self.scales, self.biases))  # type: ignore[return-value]
 
 
-def _lane_gather(b: ir.IRBuilder, base: ir.Value, indices: list[ir.Value]) -> ir.Value:
+def _widen(b: ir.IRBuilder, v: ir.Value, half: bool) -> ir.Value:
+    """f16 -> f32 (exact) where `half`, else v as it is."""
+    if not half:
+        return v
+    return b.fpext(v, _V8F32 if isinstance(v.type, ir.VectorType) else _F)
+
+
+def _lane_gather(b: ir.IRBuilder, base: ir.Value, indices: list[ir.Value],
+                 half: bool = False) -> ir.Value:
     v = ir.Constant(_V8F32, ir.Undefined)
     for lane, index in enumerate(indices):
-        v = b.insert_element(v, b.load(b.gep(base, [index])), ir.Constant(_I32, lane))
+        value = _widen(b, b.load(b.gep(base, [index])), half)
+        v = b.insert_element(v, value, ir.Constant(_I32, lane))
     return v
 
 
-def _load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value) -> ir.Value:
-    return b.load(b.bitcast(b.gep(base, [index]), _V8F32.as_pointer()), align=4)
+def _load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value, half: bool = False) -> ir.Value:
+    """base[index .. index + 7] as a v8 f32 (an f16 base: widened, exact)."""
+    vector = _V8F16 if half else _V8F32
+    loaded = b.load(b.bitcast(b.gep(base, [index]), vector.as_pointer()), align=2 if half else 4)
+    return _widen(b, loaded, half)
 
 
 # ----------------------------------------------------------------------------- float part
@@ -369,7 +393,7 @@ def _add_chunk(
     """Chunk c's exact sum isum (i32) of row k into lane c % 32 (the tail after the blocks)."""
     ops = f.ops
     g = b.lshr(c, ops.group_shift)
-    scale, bias = b.load(b.gep(f.scales, [g])), b.load(b.gep(f.biases, [g]))
+    scale, bias = f.scale_at(b, g)
     d = b.load(b.gep(f.xs_rows[k], [c]))
     dsum = b.load(b.gep(f.xs_rows[k], [b.add(c, ops.chunks)]))
     fma = _fn(b, "llvm.fma.f32", _F, [_F] * 3)
@@ -388,12 +412,16 @@ def _lane_mask(b: ir.IRBuilder, count: ir.Value) -> ir.Value:
     return b.icmp_unsigned("<", ir.Constant(v8i32, list(range(8))), n)
 
 
-def _masked_load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value, mask: ir.Value) -> ir.Value:
-    """base[index + j] for the lanes of mask (nothing read past them), 0.0 elsewhere."""
+def _masked_load8(b: ir.IRBuilder, base: ir.Value, index: ir.Value, mask: ir.Value,
+                  half: bool = False) -> ir.Value:
+    """base[index + j] for the lanes of mask (nothing read past them), 0.0 elsewhere (an f16
+    base: widened to f32, exact)."""
     v8i1 = ir.VectorType(ir.IntType(1), 8)
-    fn = _fn(b, "llvm.masked.load.v8f32.p0", _V8F32, [base.type, _I32, v8i1, _V8F32])
-    zero = ir.Constant(_V8F32, [0.0] * 8)
-    return b.call(fn, [b.gep(base, [index]), ir.Constant(_I32, 4), mask, zero])
+    vector, name = (_V8F16, "llvm.masked.load.v8f16.p0") if half else (_V8F32, "llvm.masked.load.v8f32.p0")
+    fn = _fn(b, name, vector, [base.type, _I32, v8i1, vector])
+    zero = ir.Constant(vector, [0.0] * 8)
+    loaded = b.call(fn, [b.gep(base, [index]), ir.Constant(_I32, 2 if half else 4), mask, zero])
+    return _widen(b, loaded, half)
 
 
 def _emit_masked_block(
@@ -424,7 +452,9 @@ def _emit_masked_block(
                 b.store(dot, dots[k][step])
     mask = _lane_mask(b, live)
     if contiguous:
-        scales = (_masked_load8(b, f.scales, c0, mask), _masked_load8(b, f.biases, c0, mask))
+        half = f.ops.half
+        scales = (_masked_load8(b, f.scales, c0, mask, half),
+                  _masked_load8(b, f.biases, c0, mask, half))
     else:
         last = b.sub(f.ops.chunks, _const(1))
         groups = []
@@ -432,7 +462,8 @@ def _emit_masked_block(
             c = b.add(c0, _const(j))
             c = b.select(b.icmp_unsigned("<", c, last), c, last)
             groups.append(b.lshr(c, f.ops.group_shift))
-        scales = (_lane_gather(b, f.scales, groups), _lane_gather(b, f.biases, groups))
+        scales = (_lane_gather(b, f.scales, groups, f.ops.half),
+                  _lane_gather(b, f.biases, groups, f.ops.half))
     isums = []
     for k, row_dots in enumerate(dots):
         parts = [b.load(d) for d in row_dots]
@@ -487,7 +518,7 @@ def _prefetch_feature(b: ir.IRBuilder, ops: _Operands, o: ir.Value) -> None:
     ahead = b.add(o, _const(PREFETCH_FEATURES))
     _prefetch(b, b.gep(ops.codes, [b.mul(ahead, ops.code_row_bytes)]), ops.code_row_bytes)
     group0 = b.mul(ahead, ops.num_groups)
-    group_bytes = b.mul(ops.num_groups, _const(4))
+    group_bytes = b.mul(ops.num_groups, _const(2 if ops.half else 4))
     _prefetch(b, b.gep(ops.scales, [group0]), group_bytes)
     _prefetch(b, b.gep(ops.biases, [group0]), group_bytes)
 
@@ -714,6 +745,23 @@ def matmul(x, codes, scales, biases, bits, group_size, out):
         _parts_parallel(xq, xs, codes, scales, biases, group_shift, bits, offsets, out)
     else:
         _parts_chunk(0, 1, xq, xs, codes, scales, biases, group_shift, bits, offsets, out)
+
+
+def compact_scales(
+    scales: tuple[np.ndarray, ...], biases: tuple[np.ndarray, ...]
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """The parts' scales and biases as float16 copies (their bits, uint16) where every value of every part is
+    one exactly (a GGUF block's d and m, an MLX bf16 scale that fits): `matmul` widens them
+    back to the same float32s, so the outputs keep their bits and a decode step reads 2
+    bytes a group instead of 4 (docs/PERFORMANCE.md, session 27). Otherwise the arrays as
+    they are."""
+    arrays = scales + biases
+    halves = tuple(a.astype(np.float16) for a in arrays)
+    exact = all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, arrays, strict=True))
+    if not exact:
+        return scales, biases
+    bits = tuple(h.view(np.uint16) for h in halves)  # Numba has no float16 arrays
+    return bits[: len(scales)], bits[len(scales):]
 
 
 def fits(bits: int, in_features: int, group_size: int) -> bool:

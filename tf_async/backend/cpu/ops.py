@@ -416,7 +416,9 @@ def _int8_x_matmul(parts: tuple[AffineWeight, ...]) -> Callable[[np.ndarray, np.
     codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
     biases, bits, group_size = tuple(p.biases for p in parts), first.bits, first.group_size
     if int8_matmul.fits(bits, first.in_features, group_size):
-        return lambda rows, out: int8_matmul.matmul(rows, codes, scales, biases, bits, group_size, out)
+        kernel_scales, kernel_biases = int8_matmul.compact_scales(scales, biases)
+        return lambda rows, out: int8_matmul.matmul(rows, codes, kernel_scales, kernel_biases, bits,
+                                                    group_size, out)
     bounds = np.cumsum([0] + [p.out_features for p in parts]).tolist()
 
     def run(rows: np.ndarray, out: np.ndarray) -> None:
