@@ -33,6 +33,7 @@ _LAYOUT_GENERIC, _LAYOUT_U4, _LAYOUT_U8 = 0, 1, 2
 _ROW_BLOCK = 32  # attention: query rows of one stream that share converted K/V tiles
 _KEY_TILE = 128  # attention: keys converted to float32 at once (K^T tile: 32 KiB at hd 64)
 _VALUE_TILE = 64  # attention: values converted at once (16 KiB at hd 64)
+_PREFETCH_KEYS = 256  # attention: K and V rows asked for before a block (128 KiB: f32, hd 64)
 
 
 # ----------------------------------------------------------------------------- intrinsics
@@ -73,6 +74,31 @@ def u32_as_f32(typingctx, u):  # noqa: ARG001
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def prefetch_row(typingctx, row):  # noqa: ARG001
+    """Ask for the cache lines of a contiguous 1-D array's bytes (llvm.prefetch: a hint, the
+    values and so every result are unchanged)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p, i64 = ir.IntType(8).as_pointer(), ir.IntType(64)
+        base = builder.bitcast(array.data, i8p)
+        nbytes = builder.mul(cgutils.unpack_tuple(builder, array.shape)[0], array.itemsize)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0")
+        hint = [ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
+        lines = builder.udiv(builder.add(nbytes, ir.Constant(i64, 63)), ir.Constant(i64, 64))
+        with cgutils.for_range(builder, lines) as loop:
+            builder.call(fn, [builder.gep(base, [builder.shl(loop.index, ir.Constant(i64, 6))])] + hint)
+        last = builder.gep(base, [builder.sub(nbytes, ir.Constant(i64, 1))])  # an unaligned row's end
+        builder.call(fn, [last] + hint)
+        return context.get_dummy_value()
+
+    return types.void(row), codegen
 
 
 @intrinsic
@@ -1434,6 +1460,21 @@ def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_k
 
 
 @njit(**_JIT)
+def _prefetch_keys(kv_layer, pages, num_keys, page_size, kv_head):
+    # K and V rows of the first _PREFETCH_KEYS positions asked for at once: a decode row's
+    # keys come from memory (a layer's weights went through the caches since) in parallel,
+    # not one dependent miss after another; longer contexts stream on past them
+    page, offset = 0, 0
+    for _ in range(min(num_keys, _PREFETCH_KEYS)):
+        slot = np.int64(pages[page]) * page_size + offset
+        prefetch_row(kv_layer[0, slot, kv_head])
+        prefetch_row(kv_layer[1, slot, kv_head])
+        offset += 1
+        if offset == page_size:
+            page, offset = page + 1, 0
+
+
+@njit(**_JIT)
 def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, sm_scale,
                   scratch, out):
     # Rows rows[0]..rows[1]-1 of one stream x the query heads heads[0]..heads[1]-1 of one kv
@@ -1442,6 +1483,7 @@ def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, s
     scores, acc, totals = scratch[2], scratch[3], scratch[4]
     group = heads[1] - heads[0]
     max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
+    _prefetch_keys(kv_layer, pages, max_keys, page_size, heads[0] // group)
     _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
                   scratch)
     for vector in range((rows[1] - rows[0]) * group):
