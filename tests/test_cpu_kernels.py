@@ -149,6 +149,26 @@ def test_int8_matmul_reads_float16_scales_for_the_same_bits(bits: int, in_featur
     assert kept[0][0] is w.scales and kept[1][0] is w.biases
 
 
+def test_only_kept_plans_compact_their_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An uploaded weight's plan makes its float16 copies once, for every call; a weight made
+    per call (an expert's view) is not copied at all (that would cost a conversion a call)."""
+    calls: list[int] = []
+    compact = int8_matmul.compact_scales
+    monkeypatch.setattr(int8_matmul, "compact_scales",
+                        lambda s, b: calls.append(len(s)) or compact(s, b))
+    rng = rng_for(17)
+    w = half_exact(quantize_affine(randn(rng, 21, 64), 4, 32))
+    x = randn(rng, 2, 64)
+    ops = CpuOps(int8_x=True)
+    per_call = [ops.linear(x, w) for _ in range(3)]
+    assert calls == []
+    ops.upload_linear(w)
+    kept = [ops.linear(x, w) for _ in range(3)]
+    assert calls == [1]
+    for out in per_call + kept:
+        assert np.array_equal(out.view(np.uint32), _int8_x_reference(x, w).view(np.uint32))
+
+
 @pytest.mark.parametrize("switch", ["TF_ASYNC_CPU_AVX2", "TF_ASYNC_CPU_VNNI"])
 def test_int8_matmul_plain_llvm_twin_gives_the_same_bits(tmp_path, switch: str) -> None:
     """Without AVX2 (TF_ASYNC_CPU_AVX2=0: plain LLVM vectors for maddubs, phaddw, madd and the

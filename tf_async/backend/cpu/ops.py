@@ -130,8 +130,9 @@ class CpuOps:
         plan = self._plans.get(id(w))
         if plan is not None and plan.weight is w:
             return plan
-        plan = _MatmulPlan(w, self.int8_x, self._checked)
-        if self._checked.get(id(w)) is w:
+        keep = self._checked.get(id(w)) is w
+        plan = _MatmulPlan(w, self.int8_x, self._checked, keep)
+        if keep:
             self._plans[id(w)] = plan
         return plan
 
@@ -391,16 +392,18 @@ class _MatmulPlan:
 
     __slots__ = ("weight", "in_features", "out_features", "run")
 
-    def __init__(self, w: FusedLinear, int8_x: bool, checked: dict[int, FusedLinear]) -> None:
+    def __init__(self, w: FusedLinear, int8_x: bool, checked: dict[int, FusedLinear],
+                 kept: bool) -> None:
+        """`kept`: the plan serves every call of `w` (its scales may be compacted once)."""
         self.weight, self.in_features, self.out_features = w, w.in_features, w.out_features
         parts = w.parts if isinstance(w, LinearParts) else (w,)
         for part in parts:
             if checked.get(id(part)) is not part:
                 _check_weight(part)
         if isinstance(w, LinearParts):
-            self.run = _parts_matmul(w, int8_x)
+            self.run = _parts_matmul(w, int8_x, kept)
         elif int8_x and _int8_x_fits(w):
-            self.run = _int8_x_matmul((w,))  # type: ignore[arg-type]
+            self.run = _int8_x_matmul((w,), kept)  # type: ignore[arg-type]
         elif isinstance(w, AffineWeight):
             codes, scales, biases, bits, gs = w.codes, w.scales, w.biases, w.bits, w.group_size
             self.run = lambda rows, out: kernels.matmul_affine(rows, codes, scales, biases, bits, gs, out)
@@ -409,14 +412,17 @@ class _MatmulPlan:
             self.run = lambda rows, out: kernels.matmul_dense(rows, dense, out)
 
 
-def _int8_x_matmul(parts: tuple[AffineWeight, ...]) -> Callable[[np.ndarray, np.ndarray], None]:
+def _int8_x_matmul(parts: tuple[AffineWeight, ...],
+                   compact: bool) -> Callable[[np.ndarray, np.ndarray], None]:
     """Affine parts of one kind side by side on int8 x: x quantized once, one kernel call
-    (int8_matmul); groups that are not 32 * 2**k: kernels' reference twin, part by part."""
+    (int8_matmul; with `compact`, a kept plan's, float16 copies of the scales where they are
+    exact); groups that are not 32 * 2**k: kernels' reference twin, part by part."""
     first = parts[0]
     codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
     biases, bits, group_size = tuple(p.biases for p in parts), first.bits, first.group_size
     if int8_matmul.fits(bits, first.in_features, group_size):
-        kernel_scales, kernel_biases = int8_matmul.compact_scales(scales, biases)
+        kernel_scales, kernel_biases = (int8_matmul.compact_scales(scales, biases) if compact
+                                        else (scales, biases))
         return lambda rows, out: int8_matmul.matmul(rows, codes, kernel_scales, kernel_biases, bits,
                                                     group_size, out)
     bounds = np.cumsum([0] + [p.out_features for p in parts]).tolist()
@@ -441,19 +447,20 @@ def _same_kind(parts: tuple[Linear, ...]) -> bool:
         for p in parts)
 
 
-def _parts_matmul(w: LinearParts, int8_x: bool) -> Callable[[np.ndarray, np.ndarray], None]:
+def _parts_matmul(w: LinearParts, int8_x: bool,
+                  compact: bool) -> Callable[[np.ndarray, np.ndarray], None]:
     """The parts side by side: one kernel call for affine parts of one kind (one parallel
     region over all their features), else part by part; the same bits either way."""
     first = w.parts[0]
     if int8_x and _same_kind(w.parts) and _int8_x_fits(first):
-        return _int8_x_matmul(w.parts)  # type: ignore[arg-type]
+        return _int8_x_matmul(w.parts, compact)  # type: ignore[arg-type]
     if (isinstance(first, AffineWeight) and _same_kind(w.parts)
             and kernels.affine_parts_fit(first.bits, first.group_size)):
         parts: list[AffineWeight] = list(w.parts)  # type: ignore[arg-type]
         codes, scales = tuple(p.codes for p in parts), tuple(p.scales for p in parts)
         biases, bits, gs = tuple(p.biases for p in parts), first.bits, first.group_size
         return lambda rows, out: kernels.matmul_affine_parts(rows, codes, scales, biases, bits, gs, out)
-    plans = [_MatmulPlan(part, int8_x, {id(part): part}) for part in w.parts]
+    plans = [_MatmulPlan(part, int8_x, {id(part): part}, compact) for part in w.parts]
     bounds = np.cumsum([0] + [p.out_features for p in plans]).tolist()
 
     def run(rows: np.ndarray, out: np.ndarray) -> None:
