@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import multiprocessing
 import os
 import statistics
 import time
+from typing import Any
 
 TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall "
         "of Constantinople. Historians divide it into periods marked by wars, reforms and emperors. ") * 200
@@ -104,6 +106,18 @@ def _hf_llama(path, torch, LlamaConfig, LlamaForCausalLM):  # noqa: N803
     return model
 
 
+def _in_fresh_process(fn: Any, *args: Any) -> Any:
+    """fn(*args) in a spawned process of its own; a process that dies (llama-cpp-python
+    0.3.36 segfaults on its first eval on an AVX-512 host; 0.3.16 works) is an error here,
+    where a multiprocessing.Pool would wait for it forever."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except concurrent.futures.process.BrokenProcessPool:
+            raise SystemExit(f"{fn.__name__}: its process died (a crash in the library?)") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -122,16 +136,14 @@ def main() -> None:
     ids = load_checkpoint(path).tokenizer.encode(TEXT)[: args.prefill]
     results: dict[str, list[tuple[float, float]]] = {"tf_async": [], "llama.cpp": [], "transformers": []}
     context = len(ids) if args.decode_after_prompt else 16
-    ctx = multiprocessing.get_context("spawn")
     for _ in range(args.repeats):
-        with ctx.Pool(1) as pool:
-            results["tf_async"].append(pool.apply(bench_tf_async, (path, ids, args.decode, context, args.kv_dtype)))
-        with ctx.Pool(1) as pool:
-            results["llama.cpp"].append(pool.apply(bench_llama_cpp, (path, ids, args.decode, args.threads, context)))
+        results["tf_async"].append(_in_fresh_process(bench_tf_async, path, ids, args.decode, context,
+                                                     args.kv_dtype))
+        results["llama.cpp"].append(_in_fresh_process(bench_llama_cpp, path, ids, args.decode,
+                                                      args.threads, context))
         if args.no_transformers:
             continue
-        with ctx.Pool(1) as pool:
-            hf = pool.apply(bench_transformers, (path, ids, args.decode, args.threads))
+        hf = _in_fresh_process(bench_transformers, path, ids, args.decode, args.threads)
         if hf:
             results["transformers"].append(hf)
     base = statistics.median(d for _, d in results["llama.cpp"])
