@@ -726,7 +726,8 @@ def _parts_parallel(xq, xs, codes, scales, biases, group_shift, bits, offsets, o
 @njit(**_JIT)
 def matmul(x, codes, scales, biases, bits, group_size, out):
     """out = x @ [w_0 | w_1 | ...].T on int8 x, the weights affine `bits`-bit parts of one
-    group size (tuples of codes, scales, biases; one part for a plain weight): x is quantized
+    group size (tuples of codes, scales, biases; one part for a plain weight; scales and
+    biases float32, or the float16 bits of compact_scales as uint16): x is quantized
     once, then one parallel region goes over all the parts' features. Takes in_features and
     group_size multiples of 32 (`fits`)."""
     rows, in_features = x.shape
@@ -750,13 +751,14 @@ def matmul(x, codes, scales, biases, bits, group_size, out):
 def compact_scales(
     scales: tuple[np.ndarray, ...], biases: tuple[np.ndarray, ...]
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """The parts' scales and biases as float16 copies (their bits, uint16) where every value of every part is
-    one exactly (a GGUF block's d and m, an MLX bf16 scale that fits): `matmul` widens them
-    back to the same float32s, so the outputs keep their bits and a decode step reads 2
-    bytes a group instead of 4 (docs/PERFORMANCE.md, session 27). Otherwise the arrays as
-    they are."""
+    """The parts' scales and biases as float16 copies (their bits, as uint16) where every
+    value of every part is one exactly (a GGUF block's d and m, an MLX bf16 scale that
+    fits): `matmul` widens them back to the same float32s, so the outputs keep their bits
+    and a decode step reads 2 bytes a group instead of 4 (docs/PERFORMANCE.md, session 27).
+    Otherwise (a value float16 rounds, overflows or a NaN) the arrays as they are."""
     arrays = scales + biases
-    halves = tuple(a.astype(np.float16) for a in arrays)
+    with np.errstate(over="ignore", invalid="ignore"):
+        halves = tuple(a.astype(np.float16) for a in arrays)
     exact = all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, arrays, strict=True))
     if not exact:
         return scales, biases
