@@ -1,12 +1,20 @@
-"""Run in a fresh process by tests/test_warmup.py: after `Engine.warm_up()`, a varied set of
-requests compiles no new kernel signature (every Numba dispatcher of the CPU backend keeps
-the signatures it had after the warm-up). Prints a JSON line {"new": {...}, "idle": {...}}."""
+"""Run in a fresh process by tests/test_warmup.py (and tests/test_gpu_warmup.py with
+`--device cuda`): after `Engine.warm_up()`, a varied set of requests compiles no new kernel
+signature (every Numba dispatcher of the backend, the CPU's or cuda_kernels', keeps the
+signatures it had after the warm-up). Prints a JSON line {"new": {...}, "idle": ..., ...}
+with the wall seconds of the requests' first run and of a second run on other prompts
+(what the first still paid for, in a human's eyes: tests assert no timing).
+
+    python -m tests.warmup_check FOLDER [DRAFTER] [--device cuda]
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
+import time
 
 from numba.core.registry import CPUDispatcher
 
@@ -14,15 +22,22 @@ from tf_async import Engine
 from tf_async.backend.cpu import gdn, kernels
 
 
-def signatures() -> dict[str, int]:
+def signatures(device: str) -> dict[str, int]:
+    if device == "cuda":
+        from numba.cuda.dispatcher import CUDADispatcher
+
+        modules = [m for name, m in sorted(sys.modules.items()) if name.startswith("cuda_kernels.")]
+        return {f"{module.__name__}.{name}": len(obj.overloads)
+                for module in modules for name, obj in vars(module).items()
+                if isinstance(obj, CUDADispatcher)}
     return {f"{module.__name__}.{name}": len(obj.signatures)
             for module in (kernels, gdn) for name, obj in vars(module).items()
             if isinstance(obj, CPUDispatcher)}
 
 
-async def requests(engine: Engine) -> None:
-    user = [{"role": "user", "content": "Tell me about lighthouses and the sea."}]
-    long_prompt = "the keeper walks up " * 8
+async def requests(engine: Engine, topic: str = "lighthouses and the sea") -> None:
+    user = [{"role": "user", "content": f"Tell me about {topic}."}]
+    long_prompt = f"the keeper of {topic} walks up " * 8
     await asyncio.gather(
         engine.chat_complete(user, max_tokens=6, temperature=0),
         engine.chat_complete(user, max_tokens=5, temperature=0.9, seed=3, top_k=5, top_p=0.8,
@@ -35,17 +50,29 @@ async def requests(engine: Engine) -> None:
         pass
 
 
-async def main(folder: str, drafter: str | None) -> None:
-    async with Engine(folder, device="cpu", parallel=3, ctx=256, page_size=8, step_tokens=16,
+async def main(folder: str, drafter: str | None, device: str) -> None:
+    async with Engine(folder, device=device, parallel=3, ctx=256, page_size=8, step_tokens=16,
                       drafter=drafter) as engine:
         await engine.warm_up()
-        before = signatures()
+        before = signatures(device)
+        started = time.perf_counter()
         await requests(engine)
-        after = signatures()
-        new = {name: after[name] - before[name] for name in after if after[name] != before[name]}
+        first_s = time.perf_counter() - started
+        after = signatures(device)
+        started = time.perf_counter()
+        await requests(engine, "rivers and the hills")
+        second_s = time.perf_counter() - started
+        new = {name: after.get(name, 0) - before.get(name, 0) for name in after
+               if after.get(name, 0) != before.get(name, 0)}
         print(json.dumps({"new": new, "idle": engine.stats()["pages_in_use"],
-                          "compiled": sum(1 for n in before.values() if n)}))
+                          "compiled": sum(1 for n in before.values() if n),
+                          "first_s": round(first_s, 3), "second_s": round(second_s, 3)}))
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder")
+    parser.add_argument("drafter", nargs="?", default=None)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parsed = parser.parse_args()
+    asyncio.run(main(parsed.folder, parsed.drafter, parsed.device))
