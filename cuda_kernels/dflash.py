@@ -6,7 +6,9 @@ kernels keep their launch geometry beside them; each launcher checks dtypes and 
                     + taps[t, o, h // group_size] x[t-o, h], zero before the block
     block_attention grid (B, nh): scores into a scratch row, max, exp and sum, then
                     out[d] = sum_t p[t] v[t, d] / sum (keys in ascending order)
-    topk_rows       grid (R,): k block-wide passes, each the next largest (value desc, id asc)
+    topk_rows       grid (R,): k block-wide passes, each the next largest (value desc, id asc);
+                    with SPLIT_TOPK, grid (R, S) over S segments of each row, then grid (R,)
+                    over the segments' candidates: the same ids and values
     select_chain    one block: row by row, each candidate's score in a thread, the first best
                     picked, the pick is the next row's predecessor
 """
@@ -24,6 +26,13 @@ ATTN_THREADS = 128
 TOPK_THREADS = 256
 CHAIN_THREADS = 32  # >= top_k
 MAX_TOP_K = CHAIN_THREADS
+# Two-phase top-k (prepared in session 27, not yet run on a GPU: off until
+# tests/test_gpu_dflash.py and a profile have run with it): a row's vocabulary in up to
+# TOPK_SEGMENTS segments of at least TOPK_SEGMENT_MIN ids, a block each. The one-pass kernel
+# gives a 248k vocabulary's 16 rows 16 blocks: 3.55 ms of a 27B DFlash2 round (one H100).
+SPLIT_TOPK = False
+TOPK_SEGMENTS = 64
+TOPK_SEGMENT_MIN = 1024
 
 
 # ---- grouped dynamic convolution ---------------------------------------------------------
@@ -103,6 +112,22 @@ def _better(v, i, best_v, best_i):
     return v > best_v or (v == best_v and i < best_i)
 
 
+@cuda.jit(device=True)
+def _block_best(vals, ids, best_v, best_i):
+    """The block's best (value desc, id asc) of each thread's (best_v, best_i), in vals[0], ids[0]."""
+    tid = cuda.threadIdx.x
+    vals[tid] = best_v
+    ids[tid] = best_i
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride and _better(vals[tid + stride], ids[tid + stride], vals[tid], ids[tid]):
+            vals[tid] = vals[tid + stride]
+            ids[tid] = ids[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+
+
 @kernel
 def _topk_rows(logits, top_k, out_ids, out_values):
     row = cuda.blockIdx.x
@@ -121,16 +146,68 @@ def _topk_rows(logits, top_k, out_ids, out_values):
             if after and _better(v, i, best_v, best_i):
                 best_v = v
                 best_i = i
-        vals[tid] = best_v
-        ids[tid] = best_i
+        _block_best(vals, ids, best_v, best_i)
+        prev_v = vals[0]
+        prev_i = ids[0]
+        if tid == 0:
+            out_ids[row, slot] = prev_i
+            out_values[row, slot] = prev_v
         cuda.syncthreads()
-        stride = cuda.blockDim.x // 2
-        while stride > 0:
-            if tid < stride and _better(vals[tid + stride], ids[tid + stride], vals[tid], ids[tid]):
-                vals[tid] = vals[tid + stride]
-                ids[tid] = ids[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
+
+
+@kernel
+def _topk_segments(logits, top_k, segment, seg_ids, seg_values):
+    # block (row, s): the top_k of ids [s * segment, (s + 1) * segment) in _topk_rows' order;
+    # a segment with fewer (or NaNs) ends in (vocab, -inf), as _topk_rows does
+    row, seg = cuda.blockIdx.x, cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    vocab = logits.shape[1]
+    first = seg * segment
+    last = min(vocab, first + segment)
+    vals = cuda.shared.array(TOPK_THREADS, np.float32)
+    ids = cuda.shared.array(TOPK_THREADS, np.int64)
+    prev_v = np.float32(np.inf)
+    prev_i = np.int64(-1)
+    for slot in range(top_k):
+        best_v = np.float32(-np.inf)
+        best_i = np.int64(vocab)
+        for i in range(first + tid, last, cuda.blockDim.x):
+            v = logits[row, i]
+            after = v < prev_v or (v == prev_v and i > prev_i)
+            if after and _better(v, i, best_v, best_i):
+                best_v = v
+                best_i = i
+        _block_best(vals, ids, best_v, best_i)
+        prev_v = vals[0]
+        prev_i = ids[0]
+        if tid == 0:
+            seg_ids[row, seg, slot] = prev_i
+            seg_values[row, seg, slot] = prev_v
+        cuda.syncthreads()
+
+
+@kernel
+def _topk_merge(seg_ids, seg_values, top_k, vocab, out_ids, out_values):
+    # block row: the top_k of its segments' candidates (the row's top_k is among them), in
+    # the same order; a sentinel (vocab, -inf) loses to every id of the row
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    count = seg_ids.shape[1] * seg_ids.shape[2]
+    vals = cuda.shared.array(TOPK_THREADS, np.float32)
+    ids = cuda.shared.array(TOPK_THREADS, np.int64)
+    prev_v = np.float32(np.inf)
+    prev_i = np.int64(-1)
+    for slot in range(top_k):
+        best_v = np.float32(-np.inf)
+        best_i = vocab
+        for c in range(tid, count, cuda.blockDim.x):
+            v = seg_values[row, c // seg_ids.shape[2], c % seg_ids.shape[2]]
+            i = seg_ids[row, c // seg_ids.shape[2], c % seg_ids.shape[2]]
+            after = v < prev_v or (v == prev_v and i > prev_i)
+            if after and _better(v, i, best_v, best_i):
+                best_v = v
+                best_i = i
+        _block_best(vals, ids, best_v, best_i)
         prev_v = vals[0]
         prev_i = ids[0]
         if tid == 0:
@@ -217,8 +294,16 @@ def block_attention(q, keys, values, visible, sm_scale, scratch, out, stream=Non
             np.float32(sm_scale), scratch, out)
 
 
-def topk_rows(logits, top_k, out_ids, out_values, stream=None) -> None:
-    """logits [R, V] f32 -> out_ids [R, k] int64, out_values [R, k] f32 (value desc, id asc)."""
+def topk_segments(vocab: int) -> tuple[int, int]:
+    """(segments, ids a segment) of the two-phase top-k over a vocabulary."""
+    count = max(1, min(TOPK_SEGMENTS, vocab // TOPK_SEGMENT_MIN))
+    return count, -(-vocab // count)
+
+
+def topk_rows(logits, top_k, out_ids, out_values, stream=None, scratch=None) -> None:
+    """logits [R, V] f32 -> out_ids [R, k] int64, out_values [R, k] f32 (value desc, id asc).
+    scratch: (ids [R, S, k] int64, values [R, S, k] f32) for S = topk_segments(V)[0]: the
+    two-phase kernels (same results); None: the one-pass kernel."""
     _check("logits", logits, "float32", 2)
     _check("out_ids", out_ids, "int64", 2)
     _check("out_values", out_values, "float32", 2)
@@ -226,8 +311,22 @@ def topk_rows(logits, top_k, out_ids, out_values, stream=None) -> None:
     if not 0 < top_k <= vocab or tuple(out_ids.shape) != (rows, top_k) or tuple(out_values.shape) != (rows, top_k):
         raise ValueError(f"dflash topk_rows: top_k {top_k} of {vocab}, outputs {out_ids.shape} "
                          f"{out_values.shape}")
-    if rows:
+    if not rows:
+        return
+    if scratch is None:
         _go(_topk_rows, rows, TOPK_THREADS, stream, logits, int(top_k), out_ids, out_values)
+        return
+    seg_ids, seg_values = scratch
+    segments, segment = topk_segments(vocab)
+    _check("scratch ids", seg_ids, "int64", 3)
+    _check("scratch values", seg_values, "float32", 3)
+    if tuple(seg_ids.shape) != (rows, segments, top_k) or tuple(seg_values.shape) != (rows, segments, top_k):
+        raise ValueError(f"dflash topk_rows: scratch {seg_ids.shape} {seg_values.shape}, expected "
+                         f"{(rows, segments, top_k)}")
+    _go(_topk_segments, (rows, segments), TOPK_THREADS, stream, logits, int(top_k), np.int64(segment),
+        seg_ids, seg_values)
+    _go(_topk_merge, rows, TOPK_THREADS, stream, seg_ids, seg_values, int(top_k), np.int64(vocab),
+        out_ids, out_values)
 
 
 def select_chain(cand_ids, cand_values, projected, predecessor, successor, anchor_id, out_path,

@@ -1078,6 +1078,7 @@ def check_dflash(rng: np.random.Generator) -> None:
     assert rel_err(outs[0], ref) < 1e-6 and rel_err(outs[1], ref) < 1e-6
     _check_dflash_attention(rng, dev, cpu)
     _check_dflash_selector(rng, dev, cpu)
+    _check_dflash_split_topk(rng, dev)
 
 
 def _check_dflash_attention(rng: np.random.Generator, dev, cpu) -> None:
@@ -1096,6 +1097,37 @@ def _check_dflash_attention(rng: np.random.Generator, dev, cpu) -> None:
     cpu.block_attention(q, keys, values, visible, 0.3, outs[1])
     ref = dflash_attention_ref(q, keys, values, visible, 0.3)
     assert rel_err(outs[0], ref) < 1e-5 and rel_err(outs[1], ref) < 1e-5
+
+
+def _check_dflash_split_topk(rng: np.random.Generator, dev) -> None:
+    """The two-phase top-k (segments, then their candidates) gives the one-pass kernel's ids
+    and values: ties across segments, -inf, NaN, fewer finite values than top_k in a
+    segment and in a whole row, a vocabulary that is not a whole number of segments."""
+    saved = dev.TOPK_SEGMENT_MIN
+    dev.TOPK_SEGMENT_MIN = 16  # many segments at the simulator's sizes
+    try:
+        for vocab, top_k in ((97, 7), (40, 3)):
+            logits = rng.standard_normal((4, vocab)).astype(np.float32)
+            logits[0, [7, vocab // 2, vocab // 2 + 1, vocab - 1]] = 9.0  # ties across segments: lower id first
+            logits[1, ::3] = np.float32(1.5)  # many ties
+            logits[2, :] = np.nan
+            logits[2, [3, vocab - 2]] = [-np.inf, 0.25]  # two values left, then sentinels
+            logits[3, 5:] = -np.inf
+            logits[3, 1] = np.nan
+            segments = dev.topk_segments(vocab)[0]
+            assert segments > 1
+            outs = []
+            for scratch in (None, (np.zeros((4, segments, top_k), np.int64),
+                                   np.zeros((4, segments, top_k), np.float32))):
+                ids, vals = np.zeros((4, top_k), np.int64), np.zeros((4, top_k), np.float32)
+                with _quick_barriers():
+                    dev.topk_rows(logits, top_k, ids, vals, None, scratch)
+                outs.append((ids, vals))
+            assert np.array_equal(outs[0][0], outs[1][0]), (vocab, top_k, outs)
+            assert np.array_equal(outs[0][1].view(np.uint32), outs[1][1].view(np.uint32)), (vocab, top_k)
+            assert list(outs[0][0][2, :3]) == [vocab - 2, 3, vocab]  # then sentinels
+    finally:
+        dev.TOPK_SEGMENT_MIN = saved
 
 
 def _check_dflash_selector(rng: np.random.Generator, dev, cpu) -> None:

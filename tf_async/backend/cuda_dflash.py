@@ -50,8 +50,13 @@ class CudaDFlashOps:
         rows = logits.shape[0]
         ids = self.xp.empty((rows, top_k), np.int64)
         values = self.xp.empty((rows, top_k), np.float32)
+        scratch = None
+        if self._kernels.SPLIT_TOPK:
+            shape = (rows, self._kernels.topk_segments(int(logits.shape[1]))[0], top_k)
+            scratch = (self._dev(self.xp.empty(shape, np.int64)),
+                       self._dev(self.xp.empty(shape, np.float32)))
         self._kernels.topk_rows(self._dev(self._f32(logits)), int(top_k), self._dev(ids),
-                                self._dev(values), stream)
+                                self._dev(values), stream, scratch)
         return ids, values
 
     def top_k(self, logits: Any, top_k: int) -> tuple[np.ndarray, np.ndarray]:
