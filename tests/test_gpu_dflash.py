@@ -88,7 +88,11 @@ def test_block_attention_matches_cpu_twin(ops, kernels, rng, ring, causal) -> No
     assert rel_err(got, dflash_attention_ref(q, keys, values, visible, hd ** -0.5)) < 1e-5
 
 
-def test_selector_topk_and_chain_at_real_sizes(ops, kernels, rng) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_selector_topk_and_chain_at_real_sizes(ops, kernels, rng, split, monkeypatch) -> None:
+    import cuda_kernels.dflash
+
+    monkeypatch.setattr(cuda_kernels.dflash, "SPLIT_TOPK", split)
     rows, vocab, top_k, rank = 15, 248320, 16, 256
     logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
     logits[0, [11, 70000, 70001, 248319]] = 40.0  # ties: lower id first

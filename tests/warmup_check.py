@@ -5,15 +5,20 @@ signatures it had after the warm-up). Prints a JSON line {"new": {...}, "idle": 
 with the wall seconds of the requests' first run and of a second run on other prompts
 (what the first still paid for, in a human's eyes: tests assert no timing).
 
-    python -m tests.warmup_check FOLDER [DRAFTER] [--device cuda]
+    python -m tests.warmup_check FOLDER [DRAFTER] [--device cuda] [--sample]
+
+--sample: every thread's stack is sampled every 2 ms during the first run, and the functions
+seen most (inclusive, by file:function) go to stderr: where the first run's time went.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import sys
+import threading
 import time
 
 from numba.core.registry import CPUDispatcher
@@ -50,13 +55,54 @@ async def requests(engine: Engine, topic: str = "lighthouses and the sea") -> No
         pass
 
 
-async def main(folder: str, drafter: str | None, device: str) -> None:
+class StackSampler:
+    """Counts, every `period_s`, each function on any other thread's stack (once a sample)."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period_s):
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                seen: set[str] = set()
+                while ident != me and frame is not None:
+                    code = frame.f_code
+                    seen.add(f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}")
+                    frame = frame.f_back
+                self.counts.update(seen)
+
+    def report(self, top: int = 40) -> str:
+        lines = [f"{self.samples} samples of {self.period_s * 1e3:.0f} ms"]
+        lines += [f"{count:6d} {name}" for name, count in self.counts.most_common(top)]
+        return "\n".join(lines)
+
+
+async def main(folder: str, drafter: str | None, device: str, sample: bool = False) -> None:
     async with Engine(folder, device=device, parallel=3, ctx=256, page_size=8, step_tokens=16,
                       drafter=drafter) as engine:
         await engine.warm_up()
         before = signatures(device)
         started = time.perf_counter()
-        await requests(engine)
+        if sample:
+            with StackSampler() as sampler:
+                await requests(engine)
+            print(sampler.report(), file=sys.stderr)
+        else:
+            await requests(engine)
         first_s = time.perf_counter() - started
         after = signatures(device)
         started = time.perf_counter()
@@ -74,5 +120,6 @@ if __name__ == "__main__":
     parser.add_argument("folder")
     parser.add_argument("drafter", nargs="?", default=None)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--sample", action="store_true", help="where the first run's time went")
     parsed = parser.parse_args()
-    asyncio.run(main(parsed.folder, parsed.drafter, parsed.device))
+    asyncio.run(main(parsed.folder, parsed.drafter, parsed.device, parsed.sample))
