@@ -309,6 +309,21 @@ def test_silu_mul_matches_reference() -> None:
                                rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, width", [(1, 37), (5, 1536)])
+def test_silu_mul_halves_has_silu_mul_bits(rows, width) -> None:
+    """swiglu_linear's kernel on gate|up side by side (vectorised) against silu_mul on the
+    halves: the same bits, including gates far out on both sides (exp clamped)."""
+    from tf_async.backend.cpu import kernels
+
+    gate_up = randn(rng_for(rows), rows, 2 * width) * 30
+    want = np.full((rows, width), np.nan, np.float32)
+    kernels.silu_mul(np.ascontiguousarray(gate_up[:, :width]),
+                     np.ascontiguousarray(gate_up[:, width:]), want)
+    got = np.full((rows, width), np.nan, np.float32)
+    kernels.silu_mul_halves(gate_up, got)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # --------------------------------------------------------------------------- conversions
 def e4m3_value_table() -> np.ndarray:
     """All 256 E4M3FN values in float64 from the format definition (NaN at 0x7F/0xFF)."""

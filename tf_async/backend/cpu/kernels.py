@@ -1131,6 +1131,18 @@ def silu_mul(gate, up, out):
 
 
 @njit(**_JIT)
+def silu_mul_halves(gate_up, out):
+    """out = silu(gate) * up with gate|up side by side: gate_up [rows, 2 I] (C order), out
+    [rows, I]; silu_mul's bits. Slices of gate_up handed to silu_mul are typed with any
+    strides, which keeps its loop from vectorising (14x slower on a 128-row prompt)."""
+    width = out.shape[1]
+    for r in range(gate_up.shape[0]):
+        for i in range(width):
+            g = gate_up[r, i]
+            out[r, i] = g / (_F32(1.0) + _exp32(-g)) * gate_up[r, width + i]
+
+
+@njit(**_JIT)
 def attn_inputs(qkv, q_norm, k_norm, eps, positions, inv_freq, mscale, kv_layer, slots,
                 k_scale, v_scale, q):
     """A fused layer's attention inputs in one call, with the bits of the basic ops: q|k|v

@@ -332,7 +332,7 @@ class CpuOps:
             raise BadInputError("swiglu_linear: gate and up must have the same out_features")
         gate_up_out = self.linear(x, gate_up).reshape(-1, gate_up.out_features)
         out = np.empty((gate_up_out.shape[0], width), np.float32)
-        kernels.silu_mul(gate_up_out[:, :width], gate_up_out[:, width:], out)
+        kernels.silu_mul_halves(gate_up_out, out)
         return out.reshape(*x.shape[:-1], width)
 
     # ------------------------------------------------------------------ Gated DeltaNet
