@@ -49,3 +49,35 @@ async def test_warm_up_runs_a_decode_round_of_every_row_count(tiny_llama_dir) ->
         await engine.warm_up()
         assert engine.stats()["pages_in_use"] == 0
     assert {(n, n) for n in range(1, 6)} <= seen, sorted(seen)
+
+
+@pytest.mark.parametrize("by_rows", [False, True])
+async def test_warm_up_runs_a_prompt_round_alone_of_each_row_range(tiny_llama_dir, by_rows) -> None:
+    """A GPU compiles some kernels per range of a round's rows (its ops say so:
+    kernels_by_rows): the warm-up runs a prompt round alone of 2**k and 2**k + 1 rows up to a
+    step, none shortened by cached pages. The CPU's kernels do not depend on the rows: no
+    such rounds there."""
+    from dataclasses import replace
+
+    from tf_async import Engine
+
+    alone: set[int] = set()
+    async with Engine(tiny_llama_dir, device="cpu", parallel=3, ctx=128, page_size=8,
+                      step_tokens=16) as engine:
+        ops = engine.parts.ops
+        ops.capabilities = replace(ops.capabilities, kernels_by_rows=by_rows)
+        decoder = engine.parts.decoder
+        forward = decoder.forward
+
+        def recording(batch, *args, **kwargs):
+            if int(batch.block_table.shape[0]) == 1 and int(batch.logit_rows.shape[0]) == 1:
+                alone.add(int(batch.token_ids.shape[0]))  # one stream's round
+            return forward(batch, *args, **kwargs)
+
+        decoder.forward = recording
+        await engine.warm_up()
+        assert engine.stats()["pages_in_use"] == 0
+    if by_rows:
+        assert {2, 3, 4, 5, 8, 9, 16} <= alone, sorted(alone)
+    else:
+        assert not {3, 5, 9} & alone, sorted(alone)

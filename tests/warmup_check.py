@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
 import sys
 import threading
@@ -29,12 +30,16 @@ from tf_async.backend.cpu import gdn, kernels
 
 def signatures(device: str) -> dict[str, int]:
     if device == "cuda":
+        # Every CUDA dispatcher alive: the modules' kernels and those their factories keep in
+        # dicts per variant (a tile shape, a head size), which a new row range can add.
         from numba.cuda.dispatcher import CUDADispatcher
 
-        modules = [m for name, m in sorted(sys.modules.items()) if name.startswith("cuda_kernels.")]
-        return {f"{module.__name__}.{name}": len(obj.overloads)
-                for module in modules for name, obj in vars(module).items()
-                if isinstance(obj, CUDADispatcher)}
+        found: collections.Counter[str] = collections.Counter()
+        for obj in gc.get_objects():
+            if isinstance(obj, CUDADispatcher):
+                func = obj.py_func
+                found[f"{func.__module__}.{func.__qualname__}"] += len(obj.overloads)
+        return dict(found)
     return {f"{module.__name__}.{name}": len(obj.signatures)
             for module in (kernels, gdn) for name, obj in vars(module).items()
             if isinstance(obj, CPUDispatcher)}

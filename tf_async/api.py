@@ -205,7 +205,8 @@ class Engine:
         prompt longer than a step (stepped prefill) beside short ones (mixed rounds), greedy and
         seeded sampling with every filter, penalties and logprobs, a chat, a repetitive prompt
         (drafts to verify with an ngram drafter), and decode rounds of every row count up to the
-        lanes' (WARM_DECODE_ROWS at most: each a CUDA graph on a GPU)."""
+        lanes' (WARM_DECODE_ROWS at most: each a CUDA graph on a GPU); on a backend whose
+        kernels depend on the row count, a prompt round of each range of rows."""
         step_tokens = self.options.step_tokens
         num_long = max(2, min(step_tokens + 8, self.ctx // 2 - 8))
         pattern = self.tokenizer.encode("one two three one two three")
@@ -220,6 +221,18 @@ class Engine:
             self.chat_complete(user, max_tokens=tokens, ignore_eos=True, **sampled),
             self.complete(pattern * 4, max_tokens=tokens, ignore_eos=True, stop=["\n\n"]))
         await self._warm_decode_rows(pattern)
+        if self._parts.ops.capabilities.kernels_by_rows:
+            await self._warm_prompt_rows(long_ids)
+
+    async def _warm_prompt_rows(self, ids: list[int]) -> None:
+        """One prompt round alone for each row count 2**k and 2**k + 1 up to a step (a GPU
+        compiles some kernels per range of rows: tile variants, few-rows paths, whose bounds
+        are powers of two), each prompt salted so that no cached page shortens it."""
+        limit = min(self.options.step_tokens, self.ctx - 2, len(ids))
+        counts = sorted({n for k in range(limit.bit_length()) for n in (1 << k, (1 << k) + 1)
+                         if 2 <= n <= limit})
+        for n in counts:
+            await self.complete(ids[:n], max_tokens=1, ignore_eos=True, cache_salt=f"warm-up {n}")
 
     async def _warm_decode_rows(self, prompt: list[int]) -> None:
         """Decode rounds of n rows for every n from min(lanes, WARM_DECODE_ROWS) down to 1:

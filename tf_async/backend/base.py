@@ -28,6 +28,9 @@ class Capabilities:
     # the GPU each a host sync, on the CPU a kernel call a layer).
     round_checks: bool = False
     cuda_graphs: bool = False  # a GraphOps: decode rounds captured and replayed
+    # Kernels compiled per range of a round's row count (tile variants, few-rows paths): the
+    # warm-up runs a prompt round of each range (Engine.warm_up), not only the types.
+    kernels_by_rows: bool = False
 
 
 class Ops(Protocol):

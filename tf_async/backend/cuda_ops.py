@@ -117,7 +117,7 @@ class CudaOps:
 
     name = "cuda"
     capabilities = Capabilities(device_sampling=True, device_checks=True, round_checks=True,
-                                cuda_graphs=True)
+                                cuda_graphs=True, kernels_by_rows=True)
 
     def __init__(self) -> None:
         self.xp, self._cuda, self._launch, self._gdn = _load_cuda()
