@@ -219,7 +219,11 @@ class Engine:
         await asyncio.gather(
             self.complete(long_ids, max_tokens=tokens, ignore_eos=True),
             self.chat_complete(user, max_tokens=tokens, ignore_eos=True, **sampled),
-            self.complete(pattern * 4, max_tokens=tokens, ignore_eos=True, stop=["\n\n"]))
+            self.complete(pattern * 4, max_tokens=tokens, ignore_eos=True, stop=["\n\n"]),
+            # seeded top-k/top-p alone (no penalty, min_p or logprobs): a GPU samples these
+            # where the logits are, with its own kernel
+            self.complete(pattern, max_tokens=tokens, ignore_eos=True, temperature=0.8, seed=2,
+                          top_k=8, top_p=0.9))
         await self._warm_decode_rows(pattern)
         if self._parts.ops.capabilities.kernels_by_rows:
             await self._warm_prompt_rows(long_ids)

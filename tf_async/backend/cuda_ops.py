@@ -685,10 +685,7 @@ class CudaOps:
             check_shape(arr, f"sample {name}", (rows,))
         out = xp.empty(rows, xp.int64)
         if rows:
-            # C order always (a view of some rows' logits is copied): one kernel signature,
-            # compiled by the warm-up, not again for the first request whose rows are a view
-            arrays = (logits, temperatures, top_ks, top_ps, seeds, positions)
-            parts = [self._dev(xp.ascontiguousarray(a)) for a in arrays] + [self._dev(out)]
+            parts = [self._dev(a) for a in (logits, temperatures, top_ks, top_ps, seeds, positions, out)]
             self._launch.sample(*parts, self._stream())
         return out
 
