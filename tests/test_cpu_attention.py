@@ -262,3 +262,44 @@ def test_keys_go_straight_into_the_transposed_tile(page_size: int) -> None:
                 slots = pages[pos // page_size].astype(np.int64) * page_size + pos % page_size
                 stored = (kv[0, 0].astype(np.uint32) << 16).view(np.float32) if kv_dtype == "bf16" else kv[0, 0]
                 assert np.array_equal(tile[:num_keys], stored[slots, 1])
+
+
+@njit(cache=False)
+def _decode_row_chains(q, kv_layer, pages, pos, page_size, sm_scale, out):
+    # one decode row, head by head, as the scalar chains: score_j = fma over d ascending from
+    # 0, times sm_scale; p = exp(s - max) (the kernel's softmax); acc = fma(p_j, V[j], acc) for j
+    # ascending over 0..pos; out = acc / sum(p)
+    num_keys, group = pos + 1, q.shape[0] // kv_layer.shape[2]
+    scores = np.empty(num_keys, np.float32)
+    for h in range(q.shape[0]):
+        for j in range(num_keys):
+            slot = np.int64(pages[j // page_size]) * page_size + j % page_size
+            a = np.float32(0.0)
+            for d in range(q.shape[1]):
+                a = kernels.fma32(q[h, d], kv_layer[0, slot, h // group, d], a)
+            scores[j] = a * sm_scale
+        total = kernels._softmax_in_place(scores, num_keys)
+        for d in range(q.shape[1]):
+            acc = np.float32(0.0)
+            for j in range(num_keys):
+                slot = np.int64(pages[j // page_size]) * page_size + j % page_size
+                acc = kernels.fma32(scores[j], kv_layer[1, slot, h // group, d], acc)
+            out[h, d] = acc / total
+
+
+@pytest.mark.parametrize("num_keys", [1, 63, 64, 65, 300, 1100])
+def test_a_decode_rows_bits_are_its_chains_over_every_key(num_keys: int) -> None:
+    """A decode row's keys, read in tiles and stretches with the next ones prefetched, still
+    go through each score's chain and each output's one chain in ascending key order: the
+    bits of the scalar chains, past any stretch or tile boundary (f32 KV, read in place)."""
+    rng = np.random.default_rng(num_keys)
+    page_size, nh, nkv, hd = 16, 9, 3, 64
+    pages = rng.permutation(num_keys // page_size + 8)[: num_keys // page_size + 1].astype(np.int32)
+    kv_layer = rng.standard_normal((2, (pages.max() + 1) * page_size, nkv, hd)).astype(np.float32)
+    q = rng.standard_normal((1, nh, hd)).astype(np.float32)
+    got = np.full_like(q, np.nan)
+    kernels.paged_attention(q, kv_layer, 1.0, 1.0, pages[None, :], np.zeros(1, np.int32),
+                            np.array([num_keys - 1], np.int64), page_size, 0.125, got)
+    want = np.full((nh, hd), np.nan, np.float32)
+    _decode_row_chains(q[0], kv_layer, pages, num_keys - 1, page_size, np.float32(0.125), want)
+    assert np.array_equal(got[0], want)
