@@ -287,19 +287,28 @@ def _decode_row_chains(q, kv_layer, pages, pos, page_size, sm_scale, out):
             out[h, d] = acc / total
 
 
-@pytest.mark.parametrize("num_keys", [1, 63, 64, 65, 300, 1100])
-def test_a_decode_rows_bits_are_its_chains_over_every_key(num_keys: int) -> None:
-    """A decode row's keys, read in tiles and stretches with the next ones prefetched, still
-    go through each score's chain and each output's one chain in ascending key order: the
-    bits of the scalar chains, past any stretch or tile boundary (f32 KV, read in place)."""
+@pytest.mark.parametrize(("num_keys", "nkv", "rows"),
+                         [(1, 3, 1), (63, 3, 1), (65, 3, 1), (300, 3, 1), (1100, 3, 1),
+                          (700, 1, 3), (600, 2, 2), (900, 3, 2)])
+def test_a_decode_rows_bits_are_its_chains_over_every_key(num_keys: int, nkv: int, rows: int) -> None:
+    """A decode row's keys, read in tiles and stretches with the next ones prefetched, or
+    split over threads (a few long rows: keys in segments for the scores, head dim in halves
+    for the values), still go through each score's chain and each output's one chain in
+    ascending key order: the bits of the scalar chains (f32 KV, read in place), whichever
+    path the rows take."""
     rng = np.random.default_rng(num_keys)
-    page_size, nh, nkv, hd = 16, 9, 3, 64
-    pages = rng.permutation(num_keys // page_size + 8)[: num_keys // page_size + 1].astype(np.int32)
+    page_size, nh, hd = 16, 6, 64
+    per_stream = num_keys // page_size + 2
+    pages = rng.permutation(rows * per_stream + 8)[: rows * per_stream].astype(np.int32)
+    block_table = pages.reshape(rows, per_stream)
     kv_layer = rng.standard_normal((2, (pages.max() + 1) * page_size, nkv, hd)).astype(np.float32)
-    q = rng.standard_normal((1, nh, hd)).astype(np.float32)
+    q = rng.standard_normal((rows, nh, hd)).astype(np.float32)
+    positions = np.array([num_keys - 1 - 7 * r for r in range(rows)], np.int64)
     got = np.full_like(q, np.nan)
-    kernels.paged_attention(q, kv_layer, 1.0, 1.0, pages[None, :], np.zeros(1, np.int32),
-                            np.array([num_keys - 1], np.int64), page_size, 0.125, got)
-    want = np.full((nh, hd), np.nan, np.float32)
-    _decode_row_chains(q[0], kv_layer, pages, num_keys - 1, page_size, np.float32(0.125), want)
-    assert np.array_equal(got[0], want)
+    kernels.paged_attention(q, kv_layer, 1.0, 1.0, block_table, np.arange(rows, dtype=np.int32),
+                            positions, page_size, 0.125, got)
+    for r in range(rows):
+        want = np.full((nh, hd), np.nan, np.float32)
+        _decode_row_chains(q[r], kv_layer, block_table[r], positions[r], page_size,
+                           np.float32(0.125), want)
+        assert np.array_equal(got[r], want), r
