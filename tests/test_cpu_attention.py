@@ -291,11 +291,9 @@ def _decode_row_chains(q, kv_layer, pages, pos, page_size, sm_scale, out):
                          [(1, 3, 1), (63, 3, 1), (65, 3, 1), (300, 3, 1), (1100, 3, 1),
                           (700, 1, 3), (600, 2, 2), (900, 3, 2)])
 def test_a_decode_rows_bits_are_its_chains_over_every_key(num_keys: int, nkv: int, rows: int) -> None:
-    """A decode row's keys, read in tiles and stretches with the next ones prefetched, or
-    split over threads (a few long rows: keys in segments for the scores, head dim in halves
-    for the values), still go through each score's chain and each output's one chain in
-    ascending key order: the bits of the scalar chains (f32 KV, read in place), whichever
-    path the rows take."""
+    """A decode row's keys, read in tiles and stretches with the next ones prefetched, still
+    go through each score's chain and each output's one chain in ascending key order: the
+    bits of the scalar chains (f32 KV, read in place), for one row or several, any KV heads."""
     rng = np.random.default_rng(num_keys)
     page_size, nh, hd = 16, 6, 64
     per_stream = num_keys // page_size + 2

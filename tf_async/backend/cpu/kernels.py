@@ -35,13 +35,6 @@ _KEY_TILE = 128  # attention: keys converted to float32 at once (K^T tile: 32 Ki
 _VALUE_TILE = 64  # attention: values converted at once (16 KiB at hd 64)
 _VALUE_STRETCH = 64  # attention: V rows read in place per stretch (one prefetched 2 ahead)
 _PREFETCH_KEYS = 256  # attention: K and V rows asked for before a block (128 KiB: f32, hd 64)
-# attention: decode rows x KV heads up to which a long row's work is split finer than a KV head
-# (its keys in _SPLIT_SEGMENTS for the scores, its head dim in halves for the values), from
-# _SPLIT_MIN_KEYS keys: 3 KV heads on 2 threads left one thread a head idle. f32 KV only: on
-# bf16 it was slower (this host, session 28: 221 -> 252 us at 3,000 keys)
-_SPLIT_ITEMS_MAX = 4
-_SPLIT_SEGMENTS = 4
-_SPLIT_MIN_KEYS = 512
 
 
 # ----------------------------------------------------------------------------- intrinsics
@@ -1573,105 +1566,6 @@ def _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts,
                       starts, page_size, sm_scale, out)
 
 
-@njit(**_JIT, parallel=True)
-def _split_scores(q, kv_layer, k_scale, block_table, row_seq, row_pos, page_size, sm_scale,
-                  scores):
-    # scores[item, v, :keys] of decode rows (item = row * nkv + kv head), a unit per (item,
-    # segment of its key tiles): each score is its own chain, so any split gives its bits
-    head_dim, nkv = q.shape[2], kv_layer.shape[2]
-    group = q.shape[1] // nkv
-    for unit in prange(q.shape[0] * nkv * _SPLIT_SEGMENTS):
-        item, segment = unit // _SPLIT_SEGMENTS, unit % _SPLIT_SEGMENTS
-        r, kv_head = item // nkv, item % nkv
-        num_keys = np.int64(row_pos[r]) + 1
-        t0, t1 = _chunk(segment, _SPLIT_SEGMENTS, (num_keys + _KEY_TILE - 1) // _KEY_TILE)
-        pages = block_table[row_seq[r]]
-        keys_t, rows_tile = np.empty((head_dim, _KEY_TILE), _F32), np.empty((_KEY_TILE, head_dim), _F32)
-        qs, ids = np.empty((group, head_dim), _F32), np.empty(MAX_GROUP, np.int64)
-        for v in range(group):
-            qs[v] = q[r, kv_head * group + v]
-        _prefetch_span(kv_layer, 0, pages, t0 * _KEY_TILE, min(t1 * _KEY_TILE, num_keys, (t0 + 1) * _KEY_TILE),
-                       page_size, kv_head)
-        for t in range(t0, t1):
-            first = t * _KEY_TILE
-            num = min(_KEY_TILE, num_keys - first)
-            if t + 1 < t1:
-                _prefetch_span(kv_layer, 0, pages, first + _KEY_TILE,
-                               min(first + 2 * _KEY_TILE, num_keys), page_size, kv_head)
-            _load_keys_t(kv_layer, k_scale, pages, first, num, page_size, kv_head, rows_tile, keys_t)
-            for v0 in range(0, group, MAX_GROUP):
-                count = min(MAX_GROUP, group - v0)
-                for i in range(count):
-                    ids[i] = v0 + i
-                scores_group(qs, ids, count, keys_t, num, sm_scale, scores[item], first)
-
-
-@njit(**_JIT, parallel=True)
-def _split_softmax(row_pos, scores, totals):
-    # each (item, vector)'s scores -> exp(s - max) in place, totals[item, v] their sum
-    nkv, group = scores.shape[0] // row_pos.shape[0], scores.shape[1]
-    for unit in prange(scores.shape[0] * group):
-        item, v = unit // group, unit % group
-        totals[item, v] = _softmax_in_place(scores[item, v], np.int64(row_pos[item // nkv]) + 1)
-
-
-def _split_values(kv_layer, block_table, row_seq, row_pos, page_size, scores, totals, out):
-    """The values of _split_scores' items, a unit per (item, half of the head dim), V read in
-    place (f32 / bf16 KV); nothing for other dtypes (a branch never taken)."""
-
-
-@overload(_split_values, jit_options={"nogil": True, "error_model": "numpy", "parallel": True})
-def _split_values_impl(kv_layer, block_table, row_seq, row_pos, page_size, scores, totals, out):
-    if not _takes_keys_t8(kv_layer):
-        return lambda kv_layer, block_table, row_seq, row_pos, page_size, scores, totals, out: None
-
-    def impl(kv_layer, block_table, row_seq, row_pos, page_size, scores, totals, out):
-        # a half row of a KV head is a "head" of the layer seen as [2, slots, 2 nkv, hd / 2]:
-        # its outputs' chains (one fma chain over the keys ascending each) are the same ones
-        two, num_slots, nkv, head_dim = kv_layer.shape
-        halves = kv_layer.reshape((two, num_slots, 2 * nkv, head_dim // 2))
-        group = scores.shape[1]
-        for unit in prange(scores.shape[0] * 2):
-            item, half = unit // 2, unit % 2
-            r, kv_head = item // nkv, item % nkv
-            num_keys = np.int64(row_pos[r]) + 1
-            pages = block_table[row_seq[r]]
-            slots = np.empty(num_keys, np.int64)
-            for j in range(num_keys):
-                slots[j] = np.int64(pages[j // page_size]) * page_size + j % page_size
-            acc = np.zeros((group, head_dim // 2), _F32)
-            ids = np.empty(MAX_GROUP, np.int64)
-            column = 2 * kv_head + half
-            for lo in range(0, num_keys, _VALUE_STRETCH):
-                hi = min(lo + _VALUE_STRETCH, num_keys)
-                for j in range(min(lo + 2 * _VALUE_STRETCH, num_keys), min(lo + 3 * _VALUE_STRETCH, num_keys)):
-                    prefetch_row(halves[1, slots[j], column])
-                for v0 in range(0, group, MAX_GROUP):
-                    count = min(MAX_GROUP, group - v0)
-                    for i in range(count):
-                        ids[i] = v0 + i
-                    values_group(scores[item], ids, count, halves, 1, slots, 0, column, lo, hi, acc)
-            for v in range(group):
-                for d in range(head_dim // 2):
-                    out[r, kv_head * group + v, half * (head_dim // 2) + d] = acc[v, d] / totals[item, v]
-
-    return impl
-
-
-@njit(**_JIT)
-def _attention_split(q, kv_layer, k_scale, block_table, row_seq, row_pos, page_size, sm_scale,
-                     out):
-    # decode rows only (each its own block), f32 / bf16 KV, an even head dim
-    nkv = kv_layer.shape[2]
-    group = q.shape[1] // nkv
-    items = q.shape[0] * nkv
-    scores = np.empty((items, group, np.int64(row_pos.max()) + 1), _F32)
-    totals = np.empty((items, group), _F32)
-    _split_scores(q, kv_layer, k_scale, block_table, row_seq, row_pos, page_size, sm_scale, scores)
-    _split_softmax(row_pos, scores, totals)
-    _split_values(kv_layer, block_table, row_seq, row_pos, page_size, scores, totals, out)
-
-
 @njit(**_JIT)
 def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos, page_size,
                     sm_scale, out):
@@ -1693,12 +1587,7 @@ def paged_attention(q, kv_layer, k_scale, v_scale, block_table, row_seq, row_pos
     scales = (_F32(k_scale), _F32(v_scale))
     starts = _row_blocks(row_seq)
     work = rows * q.shape[1] * q.shape[2] * (np.int64(row_pos.max()) + 1)
-    if (_direct_keys_t(kv_layer) and kv_layer.itemsize == 4 and starts.shape[0] == rows + 1
-            and q.shape[2] % 2 == 0
-            and rows * kv_layer.shape[2] <= _SPLIT_ITEMS_MAX and row_pos.min() + 1 >= _SPLIT_MIN_KEYS):
-        _attention_split(q, kv_layer, scales[0], block_table, row_seq, row_pos, page_size,
-                         _F32(sm_scale), out)
-    elif work >= _PARALLEL_MIN_WORK:
+    if work >= _PARALLEL_MIN_WORK:
         _blocks_parallel(q, kv_layer, scales, block_table, row_seq, row_pos, starts, page_size,
                          _F32(sm_scale), out)
     else:
