@@ -6,9 +6,9 @@ kernels keep their launch geometry beside them; each launcher checks dtypes and 
                     + taps[t, o, h // group_size] x[t-o, h], zero before the block
     block_attention grid (B, nh): scores into a scratch row, max, exp and sum, then
                     out[d] = sum_t p[t] v[t, d] / sum (keys in ascending order)
-    topk_rows       grid (R,): k block-wide passes, each the next largest (value desc, id asc);
-                    with SPLIT_TOPK, grid (R, S) over S segments of each row, then grid (R,)
-                    over the segments' candidates: the same ids and values
+    topk_rows       grid (R, 1): k block-wide passes, each the next largest (value desc, id
+                    asc); with SPLIT_TOPK, grid (R, S) over S segments of each row, then
+                    grid (R,) over the segments' candidates: the same ids and values
     select_chain    one block: row by row, each candidate's score in a thread, the first best
                     picked, the pick is the next row's predecessor
 """
@@ -130,36 +130,10 @@ def _block_best(vals, ids, best_v, best_i):
 
 
 @kernel
-def _topk_rows(logits, top_k, out_ids, out_values):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    vocab = logits.shape[1]
-    vals = cuda.shared.array(TOPK_THREADS, np.float32)
-    ids = cuda.shared.array(TOPK_THREADS, np.int64)
-    prev_v = np.float32(np.inf)
-    prev_i = np.int64(-1)
-    for slot in range(top_k):
-        best_v = np.float32(-np.inf)
-        best_i = np.int64(vocab)
-        for i in range(tid, vocab, cuda.blockDim.x):
-            v = logits[row, i]
-            after = v < prev_v or (v == prev_v and i > prev_i)
-            if after and _better(v, i, best_v, best_i):
-                best_v = v
-                best_i = i
-        _block_best(vals, ids, best_v, best_i)
-        prev_v = vals[0]
-        prev_i = ids[0]
-        if tid == 0:
-            out_ids[row, slot] = prev_i
-            out_values[row, slot] = prev_v
-        cuda.syncthreads()
-
-
-@kernel
 def _topk_segments(logits, top_k, segment, seg_ids, seg_values):
-    # block (row, s): the top_k of ids [s * segment, (s + 1) * segment) in _topk_rows' order;
-    # a segment with fewer (or NaNs) ends in (vocab, -inf), as _topk_rows does
+    # block (row, s): the top_k of ids [s * segment, (s + 1) * segment), value desc, id asc, a
+    # block-wide pass each; a segment with fewer (or NaNs) ends in (vocab, -inf). One segment
+    # of the whole vocabulary is the one-pass top-k
     row, seg = cuda.blockIdx.x, cuda.blockIdx.y
     tid = cuda.threadIdx.x
     vocab = logits.shape[1]
@@ -314,8 +288,9 @@ def topk_rows(logits, top_k, out_ids, out_values, stream=None, scratch=None) -> 
                          f"{out_values.shape}")
     if not rows:
         return
-    if scratch is None:
-        _go(_topk_rows, rows, TOPK_THREADS, stream, logits, int(top_k), out_ids, out_values)
+    if scratch is None:  # one segment, its candidates the result
+        _go(_topk_segments, (rows, 1), TOPK_THREADS, stream, logits, int(top_k), np.int64(vocab),
+            out_ids.reshape(rows, 1, top_k), out_values.reshape(rows, 1, top_k))
         return
     seg_ids, seg_values = scratch
     segments, segment = topk_segments(vocab)

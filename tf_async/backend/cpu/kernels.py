@@ -1401,7 +1401,7 @@ def _block_scores(q, kv_layer, k_scale, pages, rows, heads, max_keys, page_size,
         qs[v] = q[rows[0] + v // group, heads[0] + v % group]
     for first in range(0, max_keys, _KEY_TILE):
         num_keys = min(_KEY_TILE, max_keys - first)
-        ahead = max(first + _KEY_TILE, _PREFETCH_KEYS)  # _attend_block asked for the first ones
+        ahead = max(first + _KEY_TILE, _PREFETCH_KEYS)  # _attend_block asked for the first
         _prefetch_span(kv_layer, 0, pages, min(ahead, max_keys),
                        min(ahead + _KEY_TILE, max_keys), page_size, heads[0] // group)
         _load_keys_t(kv_layer, k_scale, pages, first, num_keys, page_size, heads[0] // group,
@@ -1483,21 +1483,6 @@ def _block_values(kv_layer, v_scale, pages, row_pos, rows, group, kv_head, max_k
 
 
 @njit(**_JIT)
-def _prefetch_keys(kv_layer, pages, num_keys, page_size, kv_head):
-    # K and V rows of the first _PREFETCH_KEYS positions asked for at once: a decode row's
-    # keys come from memory (a layer's weights went through the caches since) in parallel,
-    # not one dependent miss after another; longer contexts stream on past them
-    page, offset = 0, 0
-    for _ in range(min(num_keys, _PREFETCH_KEYS)):
-        slot = np.int64(pages[page]) * page_size + offset
-        prefetch_row(kv_layer[0, slot, kv_head])
-        prefetch_row(kv_layer[1, slot, kv_head])
-        offset += 1
-        if offset == page_size:
-            page, offset = page + 1, 0
-
-
-@njit(**_JIT)
 def _prefetch_span(kv_layer, kind, pages, lo, hi, page_size, kv_head):
     # the K (kind 0) or V (1) rows of positions [lo, hi) asked for: the next stretch of keys
     # streams in while this one is computed on (a layer's KV comes from memory: the hardware
@@ -1519,7 +1504,12 @@ def _attend_block(q, kv_layer, scales, pages, row_pos, rows, heads, page_size, s
     scores, acc, totals = scratch[2], scratch[3], scratch[4]
     group = heads[1] - heads[0]
     max_keys = np.int64(row_pos[rows[0]:rows[1]].max()) + 1
-    _prefetch_keys(kv_layer, pages, max_keys, page_size, heads[0] // group)
+    # the K and V rows of the first _PREFETCH_KEYS keys asked for at once: they come from
+    # memory (a layer's weights went through the caches since) in parallel, not one dependent
+    # miss after another; the tiles and stretches ask for the rest ahead of use
+    for kind in range(2):
+        _prefetch_span(kv_layer, kind, pages, 0, min(max_keys, _PREFETCH_KEYS), page_size,
+                       heads[0] // group)
     _block_scores(q, kv_layer, scales[0], pages, rows, heads, max_keys, page_size, sm_scale,
                   scratch)
     for vector in range((rows[1] - rows[0]) * group):
